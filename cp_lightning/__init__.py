@@ -1,0 +1,11 @@
+"""cp_lightning: exact context parallelism for training diffusion transformers.
+
+Public entry points: :func:`build_mesh` (the (dp, cp) device mesh) and :func:`parallelize`
+(split/gather hooks plus context-parallel attention on a diffusers model).
+"""
+
+from cp_lightning.mesh import build_mesh
+from cp_lightning.parallelize import parallelize, remove
+
+__all__ = ["build_mesh", "parallelize", "remove"]
+__version__ = "0.1.0"

@@ -1,0 +1,133 @@
+"""The (dp, cp) device mesh: the one object that owns every process group cp_lightning uses.
+
+Ranks are laid out row-major as ``(dp, cp)``, so each context-parallel (CP) group is a run of
+consecutive ranks. Launchers (torchrun, Lightning, SLURM) number ranks node by node, so a CP group
+stays inside a node whenever ``cp`` divides the number of processes per node. Inside the cp axis,
+ranks are further laid out as ``(ring, ulysses)`` with ulysses innermost: Ulysses' all-to-alls run
+between neighbouring (intra-node) ranks, the ring between groups of them.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+# Axis names, kept in one place.
+DP = "dp"
+CP = "cp"
+RING = "ring"
+ULYSSES = "ulysses"
+
+
+def _require_process_group() -> None:
+    if not (dist.is_available() and dist.is_initialized()):
+        raise ValueError(
+            "cp_lightning needs an initialised default process group: call "
+            "torch.distributed.init_process_group(...) first (or launch through Lightning / torchrun), "
+            "or pass an existing DeviceMesh as mesh=."
+        )
+
+
+def _check_int(name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__} ({value!r}).")
+    if value < 1:
+        raise ValueError(f"{name} must be >= 1, got {value}.")
+    return value
+
+
+def validate_degrees(cp: int, ring: int, world_size: int, local_world_size: int | None = None,
+                     *, allow_cross_node: bool = False) -> None:
+    """Check a (cp, ring) layout against the job's size; raises ValueError with the fix.
+
+    Pure arithmetic, no collectives: safe to call on every rank before any communication.
+    """
+    _check_int("cp", cp)
+    _check_int("ring", ring)
+    if cp % ring != 0:
+        raise ValueError(f"ring={ring} must divide cp={cp} (cp = ring x ulysses); pick ring from the divisors of cp.")
+    if world_size % cp != 0:
+        raise ValueError(
+            f"cp={cp} must divide the number of processes ({world_size}); the data-parallel degree is "
+            f"world/cp. Use a cp that divides {world_size}, or launch a multiple of {cp} processes."
+        )
+    if local_world_size is not None and not allow_cross_node and local_world_size % cp != 0:
+        raise ValueError(
+            f"cp={cp} does not divide the {local_world_size} processes per node, so a CP group would span "
+            f"nodes (slow inter-node all-to-alls). Use a cp that divides {local_world_size}, or pass "
+            "allow_cross_node=True if that is what you want."
+        )
+
+
+def _local_world_size() -> int | None:
+    value = os.environ.get("LOCAL_WORLD_SIZE")
+    return int(value) if value else None
+
+
+def build_mesh(cp: int, *, ring: int = 1, device_type: str | None = None,
+               allow_cross_node: bool = False) -> DeviceMesh:
+    """Build the ``(dp, cp)`` DeviceMesh over the default process group.
+
+    ``dp = world_size // cp``. CP groups are consecutive ranks, inside a node unless
+    ``allow_cross_node`` (checked against ``LOCAL_WORLD_SIZE`` when the launcher sets it).
+    ``ring`` is validated here (it must divide ``cp``); the ``(ring, ulysses)`` groups themselves are
+    built by :func:`cp_groups`. ``device_type`` defaults to ``"cuda"`` when CUDA is available, else
+    ``"cpu"``.
+    """
+    _require_process_group()
+    world_size = dist.get_world_size()
+    validate_degrees(cp, ring, world_size, _local_world_size(), allow_cross_node=allow_cross_node)
+    if device_type is None:
+        device_type = "cuda" if torch.cuda.is_available() else "cpu"
+    return init_device_mesh(device_type, (world_size // cp, cp), mesh_dim_names=(DP, CP))
+
+
+@dataclass(frozen=True)
+class CPGroups:
+    """The process groups inside one CP group: the whole cp axis, and its ring and ulysses parts."""
+
+    cp: dist.ProcessGroup
+    ulysses: dist.ProcessGroup
+    ring: dist.ProcessGroup | None
+    cp_size: int
+    ring_size: int
+
+    @property
+    def ulysses_size(self) -> int:
+        return self.cp_size // self.ring_size
+
+
+# Keyed by (id(mesh), ring); the mesh is stored beside its groups so that its id cannot be reused.
+_GROUP_CACHE: dict[tuple[int, int], tuple[DeviceMesh, CPGroups]] = {}
+
+
+def cp_groups(mesh: DeviceMesh, ring: int = 1) -> CPGroups:
+    """Return the cp / ring / ulysses process groups of ``mesh`` (a mesh with a ``"cp"`` axis).
+
+    With ``ring == 1`` no new group is created: Ulysses runs over the whole cp axis. Otherwise every
+    rank of the mesh must call this (new groups are created collectively); results are cached.
+    """
+    if mesh.mesh_dim_names is None or CP not in mesh.mesh_dim_names:
+        raise ValueError(f"the mesh needs an axis named {CP!r}, got axes {mesh.mesh_dim_names}; build it with build_mesh.")
+    cp_mesh = mesh[CP] if mesh.ndim > 1 else mesh
+    cp_size = cp_mesh.size()
+    _check_int("ring", ring)
+    if cp_size % ring != 0:
+        raise ValueError(f"ring={ring} must divide cp={cp_size} (cp = ring x ulysses); pick ring from the divisors of cp.")
+    key = (id(mesh), ring)
+    if key in _GROUP_CACHE:
+        return _GROUP_CACHE[key][1]
+    if ring == 1:
+        groups = CPGroups(cp=cp_mesh.get_group(), ulysses=cp_mesh.get_group(), ring=None, cp_size=cp_size, ring_size=1)
+    else:
+        # B, cp -> dp, ring, ulysses over the same ranks: ulysses innermost so its groups are neighbours.
+        layout = mesh.mesh.reshape(-1, ring, cp_size // ring)
+        sub = DeviceMesh(mesh.device_type, layout, mesh_dim_names=(DP, RING, ULYSSES))
+        groups = CPGroups(cp=cp_mesh.get_group(), ulysses=sub[ULYSSES].get_group(), ring=sub[RING].get_group(),
+                          cp_size=cp_size, ring_size=ring)
+    _GROUP_CACHE[key] = (mesh, groups)
+    return groups

@@ -1,0 +1,101 @@
+"""``parallelize``: the framework-free entry point that makes a diffusers model context parallel.
+
+Order of work: validate everything that can be validated locally (plan, degrees, heads), then build
+or read the mesh (the first collective), then install split/gather hooks and route attention. A user
+mistake is therefore a ValueError on every rank alike, never a hang in a half-entered collective.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.utils.hooks import RemovableHandle
+
+from cp_lightning import attention
+from cp_lightning.mesh import CP, CPGroups, _require_process_group, build_mesh, cp_groups, validate_degrees
+from cp_lightning.plan import apply_plan, remove_plan, resolve_plan
+
+_STATE = "_cp_lightning_state"
+
+
+@dataclass
+class ParallelState:
+    """What ``parallelize`` changed on a module, so that :func:`remove` can undo it."""
+
+    mesh: DeviceMesh
+    groups: CPGroups
+    handles: list[RemovableHandle]
+    attention_modules: list[tuple[str, nn.Module]]
+
+
+def parallelize(
+    module: nn.Module,
+    *,
+    mesh: DeviceMesh | None = None,
+    cp: int | None = None,
+    ring: int = 1,
+    plan: Mapping | None = None,
+) -> nn.Module:
+    """Make ``module`` context parallel, in place, and return it.
+
+    Inputs must be full and identical on every rank of a CP group; outputs at the plan's gather
+    points come back full and identical. After ``backward()`` each rank's parameter gradients are
+    its own shard's contribution: their SUM over the CP group is the single-device gradient.
+
+    Args:
+        module: a diffusers transformer (or any module, given ``plan``).
+        mesh: a mesh with a ``"cp"`` axis (from :func:`build_mesh`); built from ``cp`` when omitted.
+        cp: the CP degree; needed when ``mesh`` is omitted, checked against it otherwise.
+        ring: ring degree inside cp (cp = ring x ulysses); 1 means pure Ulysses.
+        plan: a plan in diffusers' ``_cp_plan`` vocabulary; defaults to ``module._cp_plan``.
+    """
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"parallelize() takes a torch.nn.Module, got {type(module).__name__}.")
+    if getattr(module, _STATE, None) is not None:
+        raise ValueError("this module is already parallelized; call cp_lightning.remove(module) first.")
+    if mesh is None and cp is None:
+        raise ValueError("pass either mesh= (from cp_lightning.build_mesh) or cp= (the context-parallel degree).")
+    _require_process_group()
+    if mesh is not None:
+        if not isinstance(mesh, DeviceMesh) or mesh.mesh_dim_names is None or CP not in mesh.mesh_dim_names:
+            raise ValueError(f"mesh must be a DeviceMesh with a {CP!r} axis (use cp_lightning.build_mesh); got {mesh!r}.")
+        mesh_cp = mesh[CP].size() if mesh.ndim > 1 else mesh.size()
+        if cp is not None and cp != mesh_cp:
+            raise ValueError(f"cp={cp} disagrees with the mesh's cp axis of size {mesh_cp}; pass one or the other.")
+        cp = mesh_cp
+        validate_degrees(cp, ring, mesh.size(), allow_cross_node=True)
+    else:
+        validate_degrees(cp, ring, dist.get_world_size(), allow_cross_node=True)
+    if ring != 1:
+        raise NotImplementedError("ring attention is not available yet; use ring=1 (Ulysses over the whole cp axis).")
+
+    entries = resolve_plan(module, plan)
+    found = attention.check_processors(module, cp // ring)
+
+    if mesh is None:
+        mesh = build_mesh(cp, ring=ring)
+    groups = cp_groups(mesh, ring)
+    handles = apply_plan(entries, groups.cp)
+    attention.route_processors(found, attention.ContextParallelAttention(groups))
+    setattr(module, _STATE, ParallelState(mesh, groups, handles, found))
+    return module
+
+
+def remove(module: nn.Module) -> nn.Module:
+    """Undo :func:`parallelize`: remove hooks and restore local attention. Returns ``module``."""
+    state = getattr(module, _STATE, None)
+    if state is None:
+        raise ValueError("this module is not parallelized.")
+    remove_plan(state.handles)
+    attention.unroute_processors(state.attention_modules)
+    delattr(module, _STATE)
+    return module
+
+
+def parallel_state(module: nn.Module) -> ParallelState | None:
+    """The :class:`ParallelState` of a parallelized module, or None."""
+    return getattr(module, _STATE, None)

@@ -1,0 +1,243 @@
+"""CP plans: data that says where a model's sequence is split and where it is gathered back.
+
+A plan uses diffusers' ``_cp_plan`` vocabulary::
+
+    {module_path: {arg_name_or_output_index: ContextParallelInput | [ContextParallelInput, ...]}
+                  | ContextParallelOutput | [ContextParallelOutput | None, ...]}
+
+``""`` names the root module and ``*`` matches every item of a ModuleList. A string key names a
+``forward`` argument (passed by keyword or by position) split before the call; an integer key names
+an item of the module's output split after the call (``split_output=True``, e.g. RoPE tables).
+:func:`resolve_plan` validates a plan against a module without touching any process group;
+:func:`apply_plan` installs the hooks and :func:`remove_plan` takes them off again.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from diffusers.models._modeling_parallel import ContextParallelInput, ContextParallelOutput
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+
+from cp_lightning import collectives
+
+_EXAMPLE = (
+    'plan={"": {"hidden_states": ContextParallelInput(split_dim=1, expected_dims=3)}, '
+    '"proj_out": ContextParallelOutput(gather_dim=1, expected_dims=3)}'
+)
+
+
+@dataclass(frozen=True)
+class ResolvedEntry:
+    """One plan entry bound to the concrete modules it names (several for a ``*`` path)."""
+
+    path: str
+    modules: tuple[tuple[str, nn.Module], ...]
+    spec: object
+
+
+def default_plan(module: nn.Module) -> dict:
+    plan = getattr(module, "_cp_plan", None)
+    if not plan:
+        raise ValueError(
+            f"{type(module).__name__} has no diffusers `_cp_plan`, so cp_lightning does not know where to split "
+            f"its sequence. Pass a plan, e.g. {_EXAMPLE} (keys are submodule paths, '' is the module itself)."
+        )
+    return plan
+
+
+def _find_modules(root: nn.Module, path: str) -> list[tuple[str, nn.Module]]:
+    if path == "":
+        return [("", root)]
+    if path.count("*") > 1:
+        raise ValueError(f"plan path {path!r}: '*' may appear only once.")
+    head, star, tail = path.partition("*")
+    head = head.rstrip(".")
+    tail = tail.lstrip(".")
+    try:
+        base = root.get_submodule(head) if head else root
+    except AttributeError:
+        raise ValueError(
+            f"plan path {path!r} names no submodule of {type(root).__name__}: {head!r} is missing. "
+            "Check the path against model.named_modules()."
+        ) from None
+    if not star:
+        return [(head, base)]
+    if not isinstance(base, nn.ModuleList):
+        raise ValueError(f"plan path {path!r}: '*' must follow a ModuleList, but {head!r} is a {type(base).__name__}.")
+    found = []
+    for index, item in enumerate(base):
+        name = f"{head}.{index}" if head else str(index)
+        try:
+            found.append((f"{name}.{tail}" if tail else name, item.get_submodule(tail) if tail else item))
+        except AttributeError:
+            raise ValueError(f"plan path {path!r} names no submodule: {name}.{tail} is missing.") from None
+    return found
+
+
+def _check_inputs(path: str, module: nn.Module, spec: Mapping) -> None:
+    params = inspect.signature(module.forward).parameters
+    for key, value in spec.items():
+        items = value if isinstance(value, (list, tuple)) else [value]
+        if not items or not all(isinstance(item, ContextParallelInput) for item in items):
+            raise TypeError(f"plan entry {path!r}[{key!r}] must be a ContextParallelInput or a list of them, got {value!r}.")
+        if isinstance(key, int):
+            if not all(item.split_output for item in items):
+                raise ValueError(f"plan entry {path!r}[{key}]: an integer key names an output, so it needs split_output=True.")
+        elif isinstance(key, str):
+            if any(item.split_output for item in items):
+                raise ValueError(
+                    f"plan entry {path!r}[{key!r}]: split_output=True needs an integer key (the output's index), "
+                    "not an argument name."
+                )
+            if key not in params:
+                raise ValueError(
+                    f"plan entry {path!r} splits argument {key!r}, but {type(module).__name__}.forward takes "
+                    f"{list(params)}. Fix the argument name in the plan."
+                )
+        else:
+            raise TypeError(f"plan entry {path!r}: keys must be argument names (str) or output indices (int), got {key!r}.")
+
+
+def resolve_plan(module: nn.Module, plan: Mapping | None) -> list[ResolvedEntry]:
+    """Validate ``plan`` (default: ``module._cp_plan``) against ``module``; no communication."""
+    plan = default_plan(module) if plan is None else plan
+    if not isinstance(plan, Mapping) or not plan:
+        raise TypeError(f"plan must be a non-empty dict of module path -> spec, e.g. {_EXAMPLE}; got {plan!r}.")
+    entries, has_gather = [], False
+    for path, spec in plan.items():
+        if not isinstance(path, str):
+            raise TypeError(f"plan keys are submodule paths (str), got {path!r}.")
+        found = _find_modules(module, path)
+        if isinstance(spec, Mapping):
+            for name, sub in found:
+                _check_inputs(name or "<root>", sub, spec)
+        else:
+            outs = spec if isinstance(spec, (list, tuple)) else [spec]
+            if not all(out is None or isinstance(out, ContextParallelOutput) for out in outs):
+                raise TypeError(
+                    f"plan entry {path!r} must be a dict of inputs, a ContextParallelOutput or a list of them; got {spec!r}."
+                )
+            has_gather = True
+        entries.append(ResolvedEntry(path, tuple(found), spec))
+    if not has_gather:
+        raise ValueError(
+            "the plan gathers nothing back (no ContextParallelOutput), so outputs would stay split; add one at "
+            "the last sharded module, e.g. \"proj_out\": ContextParallelOutput(gather_dim=1, expected_dims=3)."
+        )
+    return entries
+
+
+def _split(x: torch.Tensor, spec: ContextParallelInput, group, where: str) -> torch.Tensor:
+    if x.dim() <= spec.split_dim:
+        # The entry does not apply to this form of the input, e.g. Wan's plan splits a per-token
+        # timestep (B, S) and is handed a per-sample one (B,): there is no sequence to split.
+        return x
+    if spec.expected_dims is not None and x.dim() != spec.expected_dims:
+        raise ValueError(
+            f"{where}: expected a {spec.expected_dims}-d tensor to split along dim {spec.split_dim}, got shape "
+            f"{tuple(x.shape)}. Pass inputs in the layout the model documents, or fix expected_dims in the plan."
+        )
+    try:
+        return collectives.shard(x, spec.split_dim, group)
+    except ValueError as err:
+        raise ValueError(f"{where}: {err}") from None
+
+
+def _split_value(value, spec, group, where: str):
+    if isinstance(value, torch.Tensor):
+        if isinstance(spec, (list, tuple)):
+            raise TypeError(f"{where}: the plan has a list of {len(spec)} specs but the value is a single tensor.")
+        return _split(value, spec, group, where)
+    if isinstance(value, (list, tuple)):
+        specs = spec if isinstance(spec, (list, tuple)) else [spec] * len(value)
+        if len(specs) != len(value):
+            raise ValueError(f"{where}: the plan has {len(specs)} specs for a sequence of {len(value)} values.")
+        out = [_split(v, s, group, f"{where}[{i}]") if isinstance(v, torch.Tensor) else v
+               for i, (v, s) in enumerate(zip(value, specs, strict=True))]
+        return type(value)(out)
+    raise TypeError(f"{where}: cannot split a {type(value).__name__}; the plan expects tensors here.")
+
+
+def _split_inputs_hook(name: str, spec: Mapping, group, module: nn.Module) -> Callable:
+    params = list(inspect.signature(module.forward).parameters)
+    by_name = {key: value for key, value in spec.items() if isinstance(key, str)}
+
+    def hook(_module, args, kwargs):
+        args = list(args)
+        for arg, arg_spec in by_name.items():
+            where = f"{name or '<root>'}({arg})"
+            if arg in kwargs:
+                if kwargs[arg] is not None:
+                    kwargs[arg] = _split_value(kwargs[arg], arg_spec, group, where)
+            else:
+                index = params.index(arg)
+                if index < len(args) and args[index] is not None:
+                    args[index] = _split_value(args[index], arg_spec, group, where)
+        return tuple(args), kwargs
+
+    return hook
+
+
+def _split_outputs_hook(name: str, spec: Mapping, group) -> Callable:
+    by_index = {key: value for key, value in spec.items() if isinstance(key, int)}
+
+    def hook(_module, _args, output):
+        single = isinstance(output, torch.Tensor)
+        items = [output] if single else list(output)
+        for index, item_spec in by_index.items():
+            if index >= len(items):
+                raise ValueError(f"{name}: the plan splits output {index}, but the module returned {len(items)} outputs.")
+            items[index] = _split_value(items[index], item_spec, group, f"{name}->output[{index}]")
+        return items[0] if single else type(output)(items)
+
+    return hook
+
+
+def _gather_hook(name: str, spec, group) -> Callable:
+    specs = list(spec) if isinstance(spec, (list, tuple)) else [spec]
+
+    def hook(_module, _args, output):
+        single = isinstance(output, torch.Tensor)
+        items = [output] if single else list(output)
+        if len(items) != len(specs):
+            raise ValueError(f"{name}: the plan gathers {len(specs)} outputs, but the module returned {len(items)}.")
+        for i, out_spec in enumerate(specs):
+            if out_spec is None:
+                continue
+            x = items[i]
+            if out_spec.expected_dims is not None and x.dim() != out_spec.expected_dims:
+                raise ValueError(
+                    f"{name}->output[{i}]: expected a {out_spec.expected_dims}-d tensor to gather along dim "
+                    f"{out_spec.gather_dim}, got shape {tuple(x.shape)}."
+                )
+            items[i] = collectives.gather(x, out_spec.gather_dim, group)
+        return items[0] if single else type(output)(items)
+
+    return hook
+
+
+def apply_plan(entries: Sequence[ResolvedEntry], group: dist.ProcessGroup) -> list[RemovableHandle]:
+    """Install the split and gather hooks of a resolved plan; returns the handles to remove them."""
+    handles = []
+    for entry in entries:
+        for name, sub in entry.modules:
+            if isinstance(entry.spec, Mapping):
+                if any(isinstance(key, str) for key in entry.spec):
+                    hook = _split_inputs_hook(name, entry.spec, group, sub)
+                    handles.append(sub.register_forward_pre_hook(hook, with_kwargs=True))
+                if any(isinstance(key, int) for key in entry.spec):
+                    handles.append(sub.register_forward_hook(_split_outputs_hook(name, entry.spec, group)))
+            else:
+                handles.append(sub.register_forward_hook(_gather_hook(name, entry.spec, group)))
+    return handles
+
+
+def remove_plan(handles: Sequence[RemovableHandle]) -> None:
+    for handle in handles:
+        handle.remove()
