@@ -46,27 +46,39 @@ def _heads_to_seq(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     return x.permute(2, 1, 0, 3, 4).reshape(b, s // world, world * h_local, d)
 
 
-def _gather_mask(mask: torch.Tensor, group: dist.ProcessGroup, heads: int, s_local_q: int) -> torch.Tensor:
-    """Bring a mask broadcastable to (B, H, S_q_local, S_k_local) to (B, H/P, S_q, S_k) for Ulysses.
+def _check_mask(mask: torch.Tensor, heads: int) -> None:
+    """Only key-padding masks, broadcastable to (B, H, 1, S_k_local), can follow their keys.
 
-    Keys (last dim) are always sharded; the query dim is gathered only when the mask has one row per
-    local query (a key-padding mask has a single row). A per-head mask keeps this rank's heads.
+    A mask with one row per query cannot be supported: a rank only sees its own block of such a
+    matrix, not the rows and columns the other ranks hold.
     """
     if mask.requires_grad:
-        raise ValueError("attention masks that require grad (learned biases) are not supported under context parallelism.")
-    world = dist.get_world_size(group)
+        raise ValueError(
+            "attention masks that require grad (learned biases) are not supported under context parallelism."
+        )
+    if mask.dim() > 4 or (mask.dim() >= 2 and mask.shape[-2] != 1):
+        raise ValueError(
+            f"attention mask of shape {tuple(mask.shape)} has one row per query; under context parallelism only "
+            "key-padding masks (size 1 in the query dim, e.g. (B, 1, 1, S_k)) are supported."
+        )
+    if mask.dim() >= 3 and mask.shape[-3] not in (1, heads):
+        raise ValueError(
+            f"attention mask of shape {tuple(mask.shape)}: its head dim must be 1 or the head count {heads}."
+        )
+
+
+def _gather_mask(mask: torch.Tensor, group: dist.ProcessGroup, heads: int) -> torch.Tensor:
+    """(B, H or 1, 1, S_k_local) key-padding mask -> (B, H/P or 1, 1, S_k) for Ulysses.
+
+    Keys (last dim) are sharded like the keys themselves, so an all-gather in rank order matches the
+    key order after the all-to-all. A per-head mask keeps this rank's heads.
+    """
     while mask.dim() < 4:
         mask = mask.unsqueeze(0)
     mask = collectives.all_gather_no_grad(mask, -1, group)
-    if mask.shape[-2] != 1:
-        if mask.shape[-2] != s_local_q:
-            raise ValueError(f"attention mask of shape {tuple(mask.shape)} does not match {s_local_q} local queries.")
-        mask = collectives.all_gather_no_grad(mask, -2, group)
-    if mask.shape[1] == heads:
-        rank = dist.get_rank(group)
-        mask = mask[:, rank * heads // world : (rank + 1) * heads // world]
-    elif mask.shape[1] != 1:
-        raise ValueError(f"attention mask of shape {tuple(mask.shape)}: dim 1 must be 1 or the head count {heads}.")
+    if mask.shape[1] == heads > 1:
+        world, rank = dist.get_world_size(group), dist.get_rank(group)
+        mask = mask[:, rank * (heads // world) : (rank + 1) * (heads // world)]
     return mask
 
 
@@ -92,14 +104,17 @@ def ulysses_attention(
             f"Ulysses needs the head count ({heads}, keys {key.shape[2]}) to be divisible by the Ulysses degree "
             f"{world}; choose cp (or cp/ring) dividing {heads}."
         )
+    if attn_mask is not None:
+        _check_mask(attn_mask, heads)
     q = _seq_to_heads(query, group)
     k = _seq_to_heads(key, group)
     v = _seq_to_heads(value, group)
     if attn_mask is not None:
-        attn_mask = _gather_mask(attn_mask, group, heads, query.shape[1])
+        attn_mask = _gather_mask(attn_mask, group, heads)
     # B, S, H/P, D -> B, H/P, S, D for SDPA and back
-    out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                         attn_mask=attn_mask, scale=scale)
+    out = F.scaled_dot_product_attention(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=attn_mask, scale=scale
+    )
     return _heads_to_seq(out.transpose(1, 2), group)
 
 
@@ -109,8 +124,9 @@ class ContextParallelAttention:
     def __init__(self, groups: CPGroups) -> None:
         self.groups = groups
 
-    def __call__(self, query, key, value, *, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
-                 enable_gqa=False) -> torch.Tensor:
+    def __call__(
+        self, query, key, value, *, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False
+    ) -> torch.Tensor:
         if dropout_p or is_causal or enable_gqa:
             raise ValueError(
                 "context-parallel attention supports neither attention dropout, causal masking nor GQA "
@@ -135,8 +151,16 @@ def _routed(original):
         bound = signature.bind(*args, **kwargs)
         bound.apply_defaults()
         a = bound.arguments
-        return config(a["query"], a["key"], a["value"], attn_mask=a["attn_mask"], dropout_p=a["dropout_p"],
-                      is_causal=a["is_causal"], scale=a["scale"], enable_gqa=a["enable_gqa"])
+        return config(
+            a["query"],
+            a["key"],
+            a["value"],
+            attn_mask=a["attn_mask"],
+            dropout_p=a["dropout_p"],
+            is_causal=a["is_causal"],
+            scale=a["scale"],
+            enable_gqa=a["enable_gqa"],
+        )
 
     dispatch_attention_fn.__cp_lightning_original__ = original
     return dispatch_attention_fn
@@ -157,8 +181,8 @@ def check_processors(module: nn.Module, ulysses_degree: int) -> list[tuple[str, 
         if not hasattr(processor, "_parallel_config"):
             raise ValueError(
                 f"attention processor {type(processor).__name__} at {name!r} does not support context parallelism "
-                "(it has no `_parallel_config`); set the model's default processor (e.g. model.set_default_attn_processor() "
-                "or the model's own *AttnProcessor) before parallelize()."
+                "(it has no `_parallel_config`); give the module the model's own *AttnProcessor before "
+                "parallelize()."
             )
         module_globals = sys.modules[type(processor).__module__].__dict__
         if "dispatch_attention_fn" not in module_globals:

@@ -40,8 +40,9 @@ def _check_int(name: str, value: object) -> int:
     return value
 
 
-def validate_degrees(cp: int, ring: int, world_size: int, local_world_size: int | None = None,
-                     *, allow_cross_node: bool = False) -> None:
+def validate_degrees(
+    cp: int, ring: int, world_size: int, local_world_size: int | None = None, *, allow_cross_node: bool = False
+) -> None:
     """Check a (cp, ring) layout against the job's size; raises ValueError with the fix.
 
     Pure arithmetic, no collectives: safe to call on every rank before any communication.
@@ -68,8 +69,7 @@ def _local_world_size() -> int | None:
     return int(value) if value else None
 
 
-def build_mesh(cp: int, *, ring: int = 1, device_type: str | None = None,
-               allow_cross_node: bool = False) -> DeviceMesh:
+def build_mesh(cp: int, *, ring: int = 1, device_type: str | None = None, allow_cross_node: bool = False) -> DeviceMesh:
     """Build the ``(dp, cp)`` DeviceMesh over the default process group.
 
     ``dp = world_size // cp``. CP groups are consecutive ranks, inside a node unless
@@ -112,12 +112,16 @@ def cp_groups(mesh: DeviceMesh, ring: int = 1) -> CPGroups:
     rank of the mesh must call this (new groups are created collectively); results are cached.
     """
     if mesh.mesh_dim_names is None or CP not in mesh.mesh_dim_names:
-        raise ValueError(f"the mesh needs an axis named {CP!r}, got axes {mesh.mesh_dim_names}; build it with build_mesh.")
+        raise ValueError(
+            f"the mesh needs an axis named {CP!r}, got axes {mesh.mesh_dim_names}; build it with build_mesh."
+        )
     cp_mesh = mesh[CP] if mesh.ndim > 1 else mesh
     cp_size = cp_mesh.size()
     _check_int("ring", ring)
     if cp_size % ring != 0:
-        raise ValueError(f"ring={ring} must divide cp={cp_size} (cp = ring x ulysses); pick ring from the divisors of cp.")
+        raise ValueError(
+            f"ring={ring} must divide cp={cp_size} (cp = ring x ulysses); pick ring from the divisors of cp."
+        )
     key = (id(mesh), ring)
     if key in _GROUP_CACHE:
         return _GROUP_CACHE[key][1]
@@ -127,7 +131,12 @@ def cp_groups(mesh: DeviceMesh, ring: int = 1) -> CPGroups:
         # B, cp -> dp, ring, ulysses over the same ranks: ulysses innermost so its groups are neighbours.
         layout = mesh.mesh.reshape(-1, ring, cp_size // ring)
         sub = DeviceMesh(mesh.device_type, layout, mesh_dim_names=(DP, RING, ULYSSES))
-        groups = CPGroups(cp=cp_mesh.get_group(), ulysses=sub[ULYSSES].get_group(), ring=sub[RING].get_group(),
-                          cp_size=cp_size, ring_size=ring)
+        groups = CPGroups(
+            cp=cp_mesh.get_group(),
+            ulysses=sub[ULYSSES].get_group(),
+            ring=sub[RING].get_group(),
+            cp_size=cp_size,
+            ring_size=ring,
+        )
     _GROUP_CACHE[key] = (mesh, groups)
     return groups

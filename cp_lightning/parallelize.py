@@ -62,7 +62,9 @@ def parallelize(
     _require_process_group()
     if mesh is not None:
         if not isinstance(mesh, DeviceMesh) or mesh.mesh_dim_names is None or CP not in mesh.mesh_dim_names:
-            raise ValueError(f"mesh must be a DeviceMesh with a {CP!r} axis (use cp_lightning.build_mesh); got {mesh!r}.")
+            raise ValueError(
+                f"mesh must be a DeviceMesh with a {CP!r} axis (use cp_lightning.build_mesh); got {mesh!r}."
+            )
         mesh_cp = mesh[CP].size() if mesh.ndim > 1 else mesh.size()
         if cp is not None and cp != mesh_cp:
             raise ValueError(f"cp={cp} disagrees with the mesh's cp axis of size {mesh_cp}; pass one or the other.")

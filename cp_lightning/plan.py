@@ -85,10 +85,14 @@ def _check_inputs(path: str, module: nn.Module, spec: Mapping) -> None:
     for key, value in spec.items():
         items = value if isinstance(value, (list, tuple)) else [value]
         if not items or not all(isinstance(item, ContextParallelInput) for item in items):
-            raise TypeError(f"plan entry {path!r}[{key!r}] must be a ContextParallelInput or a list of them, got {value!r}.")
+            raise TypeError(
+                f"plan entry {path!r}[{key!r}] must be a ContextParallelInput or a list of them, got {value!r}."
+            )
         if isinstance(key, int):
             if not all(item.split_output for item in items):
-                raise ValueError(f"plan entry {path!r}[{key}]: an integer key names an output, so it needs split_output=True.")
+                raise ValueError(
+                    f"plan entry {path!r}[{key}]: an integer key names an output, so it needs split_output=True."
+                )
         elif isinstance(key, str):
             if any(item.split_output for item in items):
                 raise ValueError(
@@ -101,7 +105,9 @@ def _check_inputs(path: str, module: nn.Module, spec: Mapping) -> None:
                     f"{list(params)}. Fix the argument name in the plan."
                 )
         else:
-            raise TypeError(f"plan entry {path!r}: keys must be argument names (str) or output indices (int), got {key!r}.")
+            raise TypeError(
+                f"plan entry {path!r}: keys must be argument names (str) or output indices (int), got {key!r}."
+            )
 
 
 def resolve_plan(module: nn.Module, plan: Mapping | None) -> list[ResolvedEntry]:
@@ -121,14 +127,15 @@ def resolve_plan(module: nn.Module, plan: Mapping | None) -> list[ResolvedEntry]
             outs = spec if isinstance(spec, (list, tuple)) else [spec]
             if not all(out is None or isinstance(out, ContextParallelOutput) for out in outs):
                 raise TypeError(
-                    f"plan entry {path!r} must be a dict of inputs, a ContextParallelOutput or a list of them; got {spec!r}."
+                    f"plan entry {path!r} must be a dict of inputs, a ContextParallelOutput or a list of them; "
+                    f"got {spec!r}."
                 )
             has_gather = True
         entries.append(ResolvedEntry(path, tuple(found), spec))
     if not has_gather:
         raise ValueError(
             "the plan gathers nothing back (no ContextParallelOutput), so outputs would stay split; add one at "
-            "the last sharded module, e.g. \"proj_out\": ContextParallelOutput(gather_dim=1, expected_dims=3)."
+            'the last sharded module, e.g. "proj_out": ContextParallelOutput(gather_dim=1, expected_dims=3).'
         )
     return entries
 
@@ -158,8 +165,10 @@ def _split_value(value, spec, group, where: str):
         specs = spec if isinstance(spec, (list, tuple)) else [spec] * len(value)
         if len(specs) != len(value):
             raise ValueError(f"{where}: the plan has {len(specs)} specs for a sequence of {len(value)} values.")
-        out = [_split(v, s, group, f"{where}[{i}]") if isinstance(v, torch.Tensor) else v
-               for i, (v, s) in enumerate(zip(value, specs, strict=True))]
+        out = [
+            _split(v, s, group, f"{where}[{i}]") if isinstance(v, torch.Tensor) else v
+            for i, (v, s) in enumerate(zip(value, specs, strict=True))
+        ]
         return type(value)(out)
     raise TypeError(f"{where}: cannot split a {type(value).__name__}; the plan expects tensors here.")
 
@@ -192,7 +201,9 @@ def _split_outputs_hook(name: str, spec: Mapping, group) -> Callable:
         items = [output] if single else list(output)
         for index, item_spec in by_index.items():
             if index >= len(items):
-                raise ValueError(f"{name}: the plan splits output {index}, but the module returned {len(items)} outputs.")
+                raise ValueError(
+                    f"{name}: the plan splits output {index}, but the module returned {len(items)} outputs."
+                )
             items[index] = _split_value(items[index], item_spec, group, f"{name}->output[{index}]")
         return items[0] if single else type(output)(items)
 

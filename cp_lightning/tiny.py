@@ -17,9 +17,17 @@ __all__ = ["MODELS", "tiny_model", "tiny_inputs"]
 def _flux(heads: int) -> nn.Module:
     from diffusers import FluxTransformer2DModel
 
-    return FluxTransformer2DModel(patch_size=1, in_channels=16, num_layers=1, num_single_layers=1, attention_head_dim=16,
-                                  num_attention_heads=heads, joint_attention_dim=32, pooled_projection_dim=32,
-                                  axes_dims_rope=(4, 6, 6))
+    return FluxTransformer2DModel(
+        patch_size=1,
+        in_channels=16,
+        num_layers=1,
+        num_single_layers=1,
+        attention_head_dim=16,
+        num_attention_heads=heads,
+        joint_attention_dim=32,
+        pooled_projection_dim=32,
+        axes_dims_rope=(4, 6, 6),
+    )
 
 
 def _flux_inputs(model, g, batch, tokens, text_tokens, dtype):
@@ -40,8 +48,18 @@ def _flux_inputs(model, g, batch, tokens, text_tokens, dtype):
 def _wan(heads: int) -> nn.Module:
     from diffusers import WanTransformer3DModel
 
-    return WanTransformer3DModel(patch_size=(1, 2, 2), num_attention_heads=heads, attention_head_dim=12, in_channels=4,
-                                 out_channels=4, text_dim=16, freq_dim=16, ffn_dim=32, num_layers=2, rope_max_seq_len=32)
+    return WanTransformer3DModel(
+        patch_size=(1, 2, 2),
+        num_attention_heads=heads,
+        attention_head_dim=12,
+        in_channels=4,
+        out_channels=4,
+        text_dim=16,
+        freq_dim=16,
+        ffn_dim=32,
+        num_layers=2,
+        rope_max_seq_len=32,
+    )
 
 
 def _wan_inputs(model, g, batch, tokens, text_tokens, dtype):
@@ -59,15 +77,23 @@ def _wan_inputs(model, g, batch, tokens, text_tokens, dtype):
 def _qwenimage(heads: int) -> nn.Module:
     from diffusers import QwenImageTransformer2DModel
 
-    return QwenImageTransformer2DModel(patch_size=2, in_channels=16, out_channels=4, num_layers=2, attention_head_dim=16,
-                                       num_attention_heads=heads, joint_attention_dim=16, axes_dims_rope=(8, 4, 4))
+    return QwenImageTransformer2DModel(
+        patch_size=2,
+        in_channels=16,
+        out_channels=4,
+        num_layers=2,
+        attention_head_dim=16,
+        num_attention_heads=heads,
+        joint_attention_dim=16,
+        axes_dims_rope=(8, 4, 4),
+    )
 
 
 def _qwenimage_inputs(model, g, batch, tokens, text_tokens, dtype):
     side_h = _factor(tokens)
     mask = torch.ones(batch, text_tokens, dtype=torch.long)
     for i in range(1, batch):  # every sample after the first has a different amount of text padding
-        mask[i, max(1, text_tokens - 2 * i - 1):] = 0
+        mask[i, max(1, text_tokens - 2 * i - 1) :] = 0
     return {
         "hidden_states": torch.randn(batch, tokens, 16, generator=g, dtype=dtype),
         "encoder_hidden_states": torch.randn(batch, text_tokens, 16, generator=g, dtype=dtype),
@@ -80,9 +106,17 @@ def _qwenimage_inputs(model, g, batch, tokens, text_tokens, dtype):
 def _ltx(heads: int) -> nn.Module:
     from diffusers import LTXVideoTransformer3DModel
 
-    return LTXVideoTransformer3DModel(in_channels=8, out_channels=8, patch_size=1, patch_size_t=1,
-                                      num_attention_heads=heads, attention_head_dim=8, cross_attention_dim=8 * heads,
-                                      num_layers=1, caption_channels=16)
+    return LTXVideoTransformer3DModel(
+        in_channels=8,
+        out_channels=8,
+        patch_size=1,
+        patch_size_t=1,
+        num_attention_heads=heads,
+        attention_head_dim=8,
+        cross_attention_dim=8 * heads,
+        num_layers=1,
+        caption_channels=16,
+    )
 
 
 def _ltx_inputs(model, g, batch, tokens, text_tokens, dtype):
@@ -90,7 +124,7 @@ def _ltx_inputs(model, g, batch, tokens, text_tokens, dtype):
     side_h = _factor(tokens // frames)
     mask = torch.ones(batch, text_tokens, dtype=torch.long)
     for i in range(1, batch):
-        mask[i, max(1, text_tokens - 2 * i - 1):] = 0
+        mask[i, max(1, text_tokens - 2 * i - 1) :] = 0
     return {
         "hidden_states": torch.randn(batch, tokens, 8, generator=g, dtype=dtype),
         "encoder_hidden_states": torch.randn(batch, text_tokens, 16, generator=g, dtype=dtype),
@@ -128,8 +162,16 @@ def tiny_model(name: str, *, heads: int = 4, seed: int = 0) -> nn.Module:
     return MODELS[name][0](heads)
 
 
-def tiny_inputs(name: str, model: nn.Module, *, batch: int = 2, tokens: int = 32, text_tokens: int = 8, seed: int = 1,
-                dtype: torch.dtype = torch.float32) -> dict:
+def tiny_inputs(
+    name: str,
+    model: nn.Module,
+    *,
+    batch: int = 2,
+    tokens: int = 32,
+    text_tokens: int = 8,
+    seed: int = 1,
+    dtype: torch.dtype = torch.float32,
+) -> dict:
     """Full inputs for ``tiny_model(name)``: ``tokens`` image/video tokens and ``text_tokens`` text tokens."""
     g = torch.Generator().manual_seed(seed)
     return MODELS[name][1](model, g, batch, tokens, text_tokens, dtype)

@@ -31,8 +31,13 @@ def free_port() -> int:
 
 def _worker(rank: int, world_size: int, port: int, env: dict, fn: Callable, args: tuple, results, timeout_s: float):
     os.environ.update(env)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
-                      LOCAL_RANK=str(rank % int(env.get("LOCAL_WORLD_SIZE", world_size))))
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank % int(env.get("LOCAL_WORLD_SIZE", world_size))),
+    )
     import torch
     import torch.distributed as dist
 
@@ -57,8 +62,10 @@ def spawn(fn: Callable, world_size: int, *args, timeout_s: float = 300.0, env: d
     results = ctx.Queue()
     env = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", **(env or {})}
     port = free_port()
-    procs = [ctx.Process(target=_worker, args=(rank, world_size, port, env, fn, args, results, timeout_s), daemon=True)
-             for rank in range(world_size)]
+    procs = [
+        ctx.Process(target=_worker, args=(rank, world_size, port, env, fn, args, results, timeout_s), daemon=True)
+        for rank in range(world_size)
+    ]
     for p in procs:
         p.start()
     out: dict[int, object] = {}

@@ -37,8 +37,10 @@ def _forward_backward(model, inputs, weight_seed=2):
 
 
 def _grads(model):
-    return {n: (p.grad.detach().float().clone() if p.grad is not None else torch.zeros_like(p, dtype=torch.float32))
-            for n, p in model.named_parameters()}
+    return {
+        n: (p.grad.detach().float().clone() if p.grad is not None else torch.zeros_like(p, dtype=torch.float32))
+        for n, p in model.named_parameters()
+    }
 
 
 def _run_case(name, cp, ckpt, meshes, dtype=torch.float32):

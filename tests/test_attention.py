@@ -1,0 +1,153 @@
+"""Attention-level and collective-level parity against one process, forward and backward.
+
+Every rank builds the same full tensors; the CP side takes its shard, runs the distributed op,
+and the test compares outputs (gathered) and input gradients (summed over the group, since each
+rank's gradient covers its own shard only) with the one-process computation.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from tests.distributed import spawn
+
+OUT_TOL = 1e-5
+GRAD_TOL = 1e-4
+
+
+def _rel(got, ref):
+    return ((got - ref).abs().max() / ref.abs().max().clamp_min(1e-12)).item()
+
+
+def _reference(q, k, v, mask):
+    q, k, v = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask)
+    out = out.transpose(1, 2)
+    return out, (q, k, v)
+
+
+def _mask(kind, b, h, sq, sk, g):
+    if kind is None:
+        return None
+    if kind == "key_bool":  # key padding, different per sample: (B, 1, 1, Sk)
+        keep = torch.ones(b, sk, dtype=torch.bool)
+        for i in range(b):
+            keep[i, sk - 3 * i - 1 :] = i == 0
+        return keep[:, None, None, :]
+    if kind == "key_float_heads":  # additive, per head: (B, H, 1, Sk)
+        return torch.randn(b, h, 1, sk, generator=g)
+    raise ValueError(kind)
+
+
+ULYSSES_CASES = [
+    # (world, heads, q_len, k_len, mask)
+    (2, 4, 16, 16, None),
+    (2, 4, 16, 16, "key_bool"),
+    (2, 4, 16, 8, "key_float_heads"),  # cross-attention to split text
+    (3, 6, 12, 12, None),
+    (3, 3, 12, 18, "key_bool"),
+    (4, 4, 16, 16, "key_bool"),
+    (4, 8, 16, 8, "key_float_heads"),
+]
+
+
+def _ulysses_cases(rank, world, cases):
+    from cp_lightning import collectives
+    from cp_lightning.attention import ulysses_attention
+
+    group = dist.group.WORLD
+    results = []
+    for case_world, heads, sq, sk, mask_kind in cases:
+        if case_world != world:
+            continue
+        g = torch.Generator().manual_seed(0)
+        b, d = 2, 8
+        q, k, v = (
+            torch.randn(b, sq, heads, d, generator=g),
+            torch.randn(b, sk, heads, d, generator=g),
+            torch.randn(b, sk, heads, d, generator=g),
+        )
+        grad_out = torch.randn(b, sq, heads, d, generator=g)
+        mask = _mask(mask_kind, b, heads, sq, sk, g)
+        ref_out, ref_inputs = _reference(q, k, v, mask)
+        ref_out.backward(grad_out)
+
+        local = [collectives.shard(t, 1, group).detach().clone().requires_grad_() for t in (q, k, v)]
+        local_mask = None
+        if mask is not None:
+            local_mask = collectives.shard(mask, -1, group)
+        out = ulysses_attention(*local, group=group, attn_mask=local_mask)
+        out.backward(collectives.shard(grad_out, 1, group))
+        full_out = collectives.all_gather_no_grad(out, 1, group)
+        errs = {"out": (full_out - ref_out).abs().max().item()}
+        for name, t, ref in zip("qkv", local, ref_inputs, strict=True):
+            full_grad = collectives.all_gather_no_grad(t.grad, 1, group)
+            errs["d" + name] = _rel(full_grad, ref.grad)
+        results.append(((case_world, heads, sq, sk, mask_kind), errs))
+    return results
+
+
+def _collective_cases(rank, world):
+    """gather / all_to_all: forward values and the backward conventions stated in collectives.py."""
+    from cp_lightning import collectives
+
+    group = dist.group.WORLD
+    g = torch.Generator().manual_seed(0)
+    full = torch.randn(3, 4 * world, 5, generator=g)
+    shard = collectives.shard(full, 1, group).clone().requires_grad_()
+    gathered = collectives.gather(shard, 1, group)
+    weights = torch.randn(full.shape, generator=g)
+    (gathered * weights).sum().backward()
+    # gather: full tensor back; its backward hands this rank its slice of the (identical) gradient
+    checks = {
+        "gather_fwd": torch.equal(gathered, full),
+        "gather_bwd": torch.equal(shard.grad, collectives.shard(weights, 1, group)),
+    }
+    # all_to_all: chunk i goes to rank i; backward sends the gradient home
+    x = torch.arange(world * 2, dtype=torch.float32).reshape(world, 2) + 100 * rank
+    x.requires_grad_()
+    y = collectives.all_to_all(x, group)
+    expected = torch.stack([torch.arange(2, dtype=torch.float32) + 2 * rank + 100 * src for src in range(world)])
+    checks["a2a_fwd"] = torch.equal(y, expected)
+    (y * (torch.arange(world, dtype=torch.float32)[:, None] + 1)).sum().backward()
+    # the chunk we sent to rank i was weighted by (our rank + 1) there
+    checks["a2a_bwd"] = torch.equal(x.grad, torch.full_like(x, rank + 1.0))
+    # shard's own backward (autograd's narrow): gradient in this rank's slice, zeros elsewhere
+    leaf = full.clone().requires_grad_()
+    collectives.shard(leaf, 1, group).sum().backward()
+    expected_grad = torch.zeros_like(full)
+    expected_grad[:, rank * 4 : (rank + 1) * 4] = 1
+    checks["shard_bwd"] = torch.equal(leaf.grad, expected_grad)
+    return checks
+
+
+def _worker(rank, world):
+    return {"ulysses": _ulysses_cases(rank, world, ULYSSES_CASES), "collectives": _collective_cases(rank, world)}
+
+
+@pytest.fixture(scope="module")
+def per_world():
+    """One spawned group per world size runs every attention and collective case."""
+    return {world: spawn(_worker, world) for world in (2, 3, 4)}
+
+
+@pytest.fixture(scope="module")
+def ulysses_results(per_world):
+    return {case: errs for per_rank in per_world.values() for case, errs in per_rank[0]["ulysses"]}
+
+
+@pytest.mark.parametrize("case", ULYSSES_CASES, ids=[f"P{c[0]}-h{c[1]}-q{c[2]}-k{c[3]}-{c[4]}" for c in ULYSSES_CASES])
+def test_ulysses_matches_full_attention(ulysses_results, case):
+    errs = ulysses_results[case]
+    assert errs["out"] <= OUT_TOL, errs
+    for name in ("dq", "dk", "dv"):
+        assert errs[name] <= GRAD_TOL, errs
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_collectives_forward_and_backward(per_world, world):
+    for rank, result in enumerate(per_world[world]):
+        assert all(result["collectives"].values()), (rank, result["collectives"])
