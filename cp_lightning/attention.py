@@ -21,7 +21,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from cp_lightning import collectives
+from cp_lightning.kernels import pick_kernel
 from cp_lightning.mesh import CPGroups
+from cp_lightning.ring import ring_attention
 
 
 def _seq_to_heads(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
@@ -82,6 +84,67 @@ def _gather_mask(mask: torch.Tensor, group: dist.ProcessGroup, heads: int) -> to
     return mask
 
 
+def _to_bias(mask: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
+    """A key mask as the additive bias LSE kernels take: (B|1, H|1, 1, S_k), 0 or -inf for booleans."""
+    if mask is None:
+        return None
+    while mask.dim() < 4:
+        mask = mask.unsqueeze(0)
+    if mask.dtype == torch.bool:
+        return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, float("-inf"))
+    return mask.to(dtype)
+
+
+def _check_heads(query: torch.Tensor, key: torch.Tensor, ulysses: int) -> None:
+    heads = query.shape[2]
+    if heads % ulysses != 0 or key.shape[2] != heads:
+        raise ValueError(
+            f"Ulysses needs the head count ({heads}, keys {key.shape[2]}) to be divisible by the Ulysses degree "
+            f"{ulysses}; choose cp (or cp/ring) dividing {heads}, or a larger ring degree."
+        )
+
+
+def cp_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    *,
+    groups: CPGroups,
+    attn_mask: torch.Tensor | None = None,
+    scale: float | None = None,
+    kernel: str | None = None,
+) -> torch.Tensor:
+    """Exact attention over sequence-sharded ``(B, S_local, H, D)`` inputs across the CP group.
+
+    Ulysses (all-to-all) over the inner ``ulysses`` axis, then, when ``ring > 1``, ring attention
+    over the outer ``ring`` axis (USP). Each rank holds its own shard of queries and of keys/values
+    (their lengths may differ, as in cross-attention to split text); it gets back its own
+    ``(B, S_local, H, D)`` output. Everything that can be refused is checked before communicating.
+    """
+    heads, ulysses = query.shape[2], groups.ulysses_size
+    _check_heads(query, key, ulysses)
+    if attn_mask is not None:
+        _check_mask(attn_mask, heads)
+    ring_kernel = None
+    if groups.ring_size > 1:
+        ring_kernel = pick_kernel(query.device, query.dtype, attn_mask is not None, kernel)
+
+    if ulysses > 1:
+        query, key, value = (_seq_to_heads(t, groups.ulysses) for t in (query, key, value))
+        if attn_mask is not None:
+            attn_mask = _gather_mask(attn_mask, groups.ulysses, heads)
+    # B, S, H/u, D -> B, H/u, S, D for the kernels and back
+    q, k, v = (t.transpose(1, 2) for t in (query, key, value))
+    if ring_kernel is None:
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, scale=scale)
+    else:
+        out = ring_attention(
+            q, k, v, group=groups.ring, kernel=ring_kernel, bias=_to_bias(attn_mask, q.dtype), scale=scale
+        )
+    out = out.transpose(1, 2)
+    return _heads_to_seq(out, groups.ulysses) if ulysses > 1 else out
+
+
 def ulysses_attention(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -91,38 +154,18 @@ def ulysses_attention(
     attn_mask: torch.Tensor | None = None,
     scale: float | None = None,
 ) -> torch.Tensor:
-    """Exact attention over sequence-sharded ``(B, S_local, H, D)`` inputs by Ulysses all-to-all.
-
-    Each rank holds its own shard of queries and of keys/values (query and key lengths may differ,
-    as in cross-attention to split text). Returns this rank's ``(B, S_local, H, D)`` output.
-    The backward is autograd's through the differentiable all-to-alls and the local SDPA.
-    """
-    world = dist.get_world_size(group)
-    heads = query.shape[2]
-    if heads % world != 0 or key.shape[2] != heads:
-        raise ValueError(
-            f"Ulysses needs the head count ({heads}, keys {key.shape[2]}) to be divisible by the Ulysses degree "
-            f"{world}; choose cp (or cp/ring) dividing {heads}."
-        )
-    if attn_mask is not None:
-        _check_mask(attn_mask, heads)
-    q = _seq_to_heads(query, group)
-    k = _seq_to_heads(key, group)
-    v = _seq_to_heads(value, group)
-    if attn_mask is not None:
-        attn_mask = _gather_mask(attn_mask, group, heads)
-    # B, S, H/P, D -> B, H/P, S, D for SDPA and back
-    out = F.scaled_dot_product_attention(
-        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=attn_mask, scale=scale
-    )
-    return _heads_to_seq(out.transpose(1, 2), group)
+    """Ulysses attention over every rank of ``group`` (see :func:`cp_attention`)."""
+    size = dist.get_world_size(group)
+    groups = CPGroups(cp=group, ulysses=group, ring=None, cp_size=size, ring_size=1)
+    return cp_attention(query, key, value, groups=groups, attn_mask=attn_mask, scale=scale)
 
 
 class ContextParallelAttention:
     """The ``_parallel_config`` cp_lightning puts on a processor: attention over the CP group."""
 
-    def __init__(self, groups: CPGroups) -> None:
+    def __init__(self, groups: CPGroups, kernel: str | None = None) -> None:
         self.groups = groups
+        self.kernel = kernel
 
     def __call__(
         self, query, key, value, *, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False
@@ -132,9 +175,7 @@ class ContextParallelAttention:
                 "context-parallel attention supports neither attention dropout, causal masking nor GQA "
                 f"(got dropout_p={dropout_p}, is_causal={is_causal}, enable_gqa={enable_gqa})."
             )
-        if self.groups.ring_size != 1:
-            raise NotImplementedError("ring attention is not available yet; use ring=1 (Ulysses).")
-        return ulysses_attention(query, key, value, group=self.groups.ulysses, attn_mask=attn_mask, scale=scale)
+        return cp_attention(query, key, value, groups=self.groups, attn_mask=attn_mask, scale=scale, kernel=self.kernel)
 
     def __repr__(self) -> str:
         return f"ContextParallelAttention(cp={self.groups.cp_size}, ring={self.groups.ring_size})"

@@ -8,8 +8,34 @@ backward below is written to keep that invariant.
 
 from __future__ import annotations
 
+from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import torch
 import torch.distributed as dist
+
+_COUNTERS: list[Counter] = []
+
+
+@contextmanager
+def count_bytes() -> Iterator[Counter]:
+    """Count the bytes this rank sends, by kind ("all_to_all", "all_gather", "p2p:<tag>"), while active.
+
+    Bytes that stay on the rank (its own chunk of an all-to-all) are not counted; an all-gather counts
+    the ring algorithm's (P-1) sends of the local shard.
+    """
+    counter: Counter = Counter()
+    _COUNTERS.append(counter)
+    try:
+        yield counter
+    finally:
+        _COUNTERS.remove(counter)
+
+
+def record_sent(kind: str, nbytes: int) -> None:
+    for counter in _COUNTERS:
+        counter[kind] += nbytes
 
 
 def shard(x: torch.Tensor, dim: int, group: dist.ProcessGroup) -> torch.Tensor:
@@ -59,7 +85,9 @@ def gather(x: torch.Tensor, dim: int, group: dist.ProcessGroup) -> torch.Tensor:
 def all_gather_no_grad(x: torch.Tensor, dim: int, group: dist.ProcessGroup) -> torch.Tensor:
     """All-gather equal shards along ``dim`` outside autograd (attention masks, checksums)."""
     x = x.detach().contiguous()
-    parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
+    world = dist.get_world_size(group)
+    record_sent("all_gather", x.numel() * x.element_size() * (world - 1))
+    parts = [torch.empty_like(x) for _ in range(world)]
     dist.all_gather(parts, x, group=group)
     return torch.cat(parts, dim=dim)
 
@@ -86,6 +114,8 @@ class _AllToAll(torch.autograd.Function):
 def _all_to_all(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     x = x.contiguous()
     out = torch.empty_like(x)
+    world = dist.get_world_size(group)
+    record_sent("all_to_all", x.numel() * x.element_size() * (world - 1) // world)
     dist.all_to_all_single(out, x, group=group)
     return out
 

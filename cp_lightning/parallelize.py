@@ -16,6 +16,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.utils.hooks import RemovableHandle
 
 from cp_lightning import attention
+from cp_lightning.kernels import get_kernel
 from cp_lightning.mesh import CP, CPGroups, _require_process_group, build_mesh, cp_groups, validate_degrees
 from cp_lightning.plan import apply_plan, remove_plan, resolve_plan
 
@@ -39,6 +40,7 @@ def parallelize(
     cp: int | None = None,
     ring: int = 1,
     plan: Mapping | None = None,
+    kernel: str | None = None,
 ) -> nn.Module:
     """Make ``module`` context parallel, in place, and return it.
 
@@ -52,6 +54,8 @@ def parallelize(
         cp: the CP degree; needed when ``mesh`` is omitted, checked against it otherwise.
         ring: ring degree inside cp (cp = ring x ulysses); 1 means pure Ulysses.
         plan: a plan in diffusers' ``_cp_plan`` vocabulary; defaults to ``module._cp_plan``.
+        kernel: the local attention kernel ring attention uses (see ``cp_lightning.kernels.KERNELS``);
+            by default the best one for the device and dtype.
     """
     if not isinstance(module, nn.Module):
         raise TypeError(f"parallelize() takes a torch.nn.Module, got {type(module).__name__}.")
@@ -72,8 +76,8 @@ def parallelize(
         validate_degrees(cp, ring, mesh.size(), allow_cross_node=True)
     else:
         validate_degrees(cp, ring, dist.get_world_size(), allow_cross_node=True)
-    if ring != 1:
-        raise NotImplementedError("ring attention is not available yet; use ring=1 (Ulysses over the whole cp axis).")
+    if kernel is not None:
+        get_kernel(kernel)
 
     entries = resolve_plan(module, plan)
     found = attention.check_processors(module, cp // ring)
@@ -82,7 +86,7 @@ def parallelize(
         mesh = build_mesh(cp, ring=ring)
     groups = cp_groups(mesh, ring)
     handles = apply_plan(entries, groups.cp)
-    attention.route_processors(found, attention.ContextParallelAttention(groups))
+    attention.route_processors(found, attention.ContextParallelAttention(groups, kernel))
     setattr(module, _STATE, ParallelState(mesh, groups, handles, found))
     return module
 

@@ -42,51 +42,80 @@ def _mask(kind, b, h, sq, sk, g):
     raise ValueError(kind)
 
 
-ULYSSES_CASES = [
-    # (world, heads, q_len, k_len, mask)
-    (2, 4, 16, 16, None),
-    (2, 4, 16, 16, "key_bool"),
-    (2, 4, 16, 8, "key_float_heads"),  # cross-attention to split text
-    (3, 6, 12, 12, None),
-    (3, 3, 12, 18, "key_bool"),
-    (4, 4, 16, 16, "key_bool"),
-    (4, 8, 16, 8, "key_float_heads"),
+# (world, ring, heads, q_len, k_len, mask): ulysses degree = world / ring
+CASES = [
+    (2, 1, 4, 16, 16, None),
+    (2, 1, 4, 16, 16, "key_bool"),
+    (2, 1, 4, 16, 8, "key_float_heads"),  # cross-attention to split text
+    (3, 1, 6, 12, 12, None),
+    (3, 1, 3, 12, 18, "key_bool"),
+    (4, 1, 4, 16, 16, "key_bool"),
+    (4, 1, 8, 16, 8, "key_float_heads"),
+    # ring
+    (2, 2, 2, 16, 16, None),
+    (2, 2, 2, 16, 16, "key_bool"),
+    (2, 2, 3, 16, 8, "key_float_heads"),
+    (3, 3, 2, 12, 12, None),
+    (3, 3, 2, 12, 18, "key_bool"),
+    (3, 3, 2, 12, 6, "key_float_heads"),
+    (4, 4, 2, 16, 16, None),
+    (4, 4, 2, 16, 16, "key_bool"),  # sample 1's last key block is fully masked
+    (4, 4, 1, 16, 8, "key_float_heads"),
+    # USP: ulysses inside, ring outside
+    (4, 2, 4, 16, 16, None),
+    (4, 2, 4, 16, 16, "key_bool"),
+    (4, 2, 2, 16, 8, "key_float_heads"),
 ]
+BF16_CASES = [(2, 1, 4, 64, 64, "key_bool"), (2, 2, 2, 64, 64, "key_bool"), (4, 4, 2, 64, 64, "key_bool"),
+              (4, 2, 4, 64, 64, "key_bool")]  # fmt: skip
 
 
-def _ulysses_cases(rank, world, cases):
+def _case_id(case):
+    world, ring, heads, sq, sk, mask = case
+    return f"P{world}-ring{ring}-h{heads}-q{sq}-k{sk}-{mask}"
+
+
+def _run_case(case, groups, dtype=torch.float32):
     from cp_lightning import collectives
-    from cp_lightning.attention import ulysses_attention
+    from cp_lightning.attention import cp_attention
 
-    group = dist.group.WORLD
-    results = []
-    for case_world, heads, sq, sk, mask_kind in cases:
-        if case_world != world:
-            continue
-        g = torch.Generator().manual_seed(0)
-        b, d = 2, 8
-        q, k, v = (
-            torch.randn(b, sq, heads, d, generator=g),
-            torch.randn(b, sk, heads, d, generator=g),
-            torch.randn(b, sk, heads, d, generator=g),
-        )
-        grad_out = torch.randn(b, sq, heads, d, generator=g)
-        mask = _mask(mask_kind, b, heads, sq, sk, g)
-        ref_out, ref_inputs = _reference(q, k, v, mask)
-        ref_out.backward(grad_out)
+    _, _, heads, sq, sk, mask_kind = case
+    group = groups.cp
+    g = torch.Generator().manual_seed(0)
+    b, d = 2, 8
+    q, k, v = (torch.randn(b, n, heads, d, generator=g) for n in (sq, sk, sk))
+    grad_out = torch.randn(b, sq, heads, d, generator=g)
+    mask = _mask(mask_kind, b, heads, sq, sk, g)
+    ref_out, ref_inputs = _reference(q, k, v, mask)
+    ref_out.backward(grad_out)
 
-        local = [collectives.shard(t, 1, group).detach().clone().requires_grad_() for t in (q, k, v)]
-        local_mask = None
-        if mask is not None:
-            local_mask = collectives.shard(mask, -1, group)
-        out = ulysses_attention(*local, group=group, attn_mask=local_mask)
-        out.backward(collectives.shard(grad_out, 1, group))
-        full_out = collectives.all_gather_no_grad(out, 1, group)
-        errs = {"out": (full_out - ref_out).abs().max().item()}
-        for name, t, ref in zip("qkv", local, ref_inputs, strict=True):
-            full_grad = collectives.all_gather_no_grad(t.grad, 1, group)
-            errs["d" + name] = _rel(full_grad, ref.grad)
-        results.append(((case_world, heads, sq, sk, mask_kind), errs))
+    local = [collectives.shard(t, 1, group).detach().to(dtype).requires_grad_() for t in (q, k, v)]
+    local_mask = None if mask is None else collectives.shard(mask, -1, group)
+    out = cp_attention(*local, groups=groups, attn_mask=local_mask)
+    out.backward(collectives.shard(grad_out, 1, group).to(dtype))
+    errs = {"out": (collectives.all_gather_no_grad(out, 1, group).float() - ref_out).abs().max().item()}
+    for name, t, ref in zip("qkv", local, ref_inputs, strict=True):
+        errs["d" + name] = _rel(collectives.all_gather_no_grad(t.grad, 1, group).float(), ref.grad)
+    if dtype != torch.float32:  # the budget: plain bf16 SDPA in one process against the same reference
+        plain = [t.detach().to(dtype).requires_grad_() for t in (q, k, v)]
+        plain_out = F.scaled_dot_product_attention(*(t.transpose(1, 2) for t in plain), attn_mask=mask).transpose(1, 2)
+        plain_out.backward(grad_out.to(dtype))
+        errs["plain_out"] = (plain_out.float() - ref_out).abs().max().item()
+        for name, t, ref in zip("qkv", plain, ref_inputs, strict=True):
+            errs["plain_d" + name] = _rel(t.grad.float(), ref.grad)
+    return errs
+
+
+def _attention_cases(rank, world):
+    from cp_lightning import build_mesh
+    from cp_lightning.mesh import cp_groups
+
+    mesh = build_mesh(world)
+    results = {}
+    for cases, dtype in ((CASES, torch.float32), (BF16_CASES, torch.bfloat16)):
+        for case in cases:
+            if case[0] == world:
+                results[(case, str(dtype))] = _run_case(case, cp_groups(mesh, case[1]), dtype)
     return results
 
 
@@ -125,7 +154,7 @@ def _collective_cases(rank, world):
 
 
 def _worker(rank, world):
-    return {"ulysses": _ulysses_cases(rank, world, ULYSSES_CASES), "collectives": _collective_cases(rank, world)}
+    return {"attention": _attention_cases(rank, world), "collectives": _collective_cases(rank, world)}
 
 
 @pytest.fixture(scope="module")
@@ -134,17 +163,26 @@ def per_world():
     return {world: spawn(_worker, world) for world in (2, 3, 4)}
 
 
-@pytest.fixture(scope="module")
-def ulysses_results(per_world):
-    return {case: errs for per_rank in per_world.values() for case, errs in per_rank[0]["ulysses"]}
+def _worst(per_world, case, dtype):
+    """The largest error over the ranks (each rank gathered and compared the whole result)."""
+    per_rank = [r["attention"][(case, dtype)] for r in per_world[case[0]]]
+    return {key: max(r[key] for r in per_rank) for key in per_rank[0]}
 
 
-@pytest.mark.parametrize("case", ULYSSES_CASES, ids=[f"P{c[0]}-h{c[1]}-q{c[2]}-k{c[3]}-{c[4]}" for c in ULYSSES_CASES])
-def test_ulysses_matches_full_attention(ulysses_results, case):
-    errs = ulysses_results[case]
+@pytest.mark.parametrize("case", CASES, ids=[_case_id(c) for c in CASES])
+def test_cp_attention_matches_full_attention(per_world, case):
+    errs = _worst(per_world, case, str(torch.float32))
     assert errs["out"] <= OUT_TOL, errs
     for name in ("dq", "dk", "dv"):
         assert errs[name] <= GRAD_TOL, errs
+
+
+@pytest.mark.parametrize("case", BF16_CASES, ids=[_case_id(c) for c in BF16_CASES])
+def test_bf16_no_worse_than_twice_plain_bf16(per_world, case):
+    errs = _worst(per_world, case, str(torch.bfloat16))
+    assert errs["out"] <= 2 * errs["plain_out"], errs
+    for name in ("dq", "dk", "dv"):
+        assert errs[name] <= 2 * errs["plain_" + name], errs
 
 
 @pytest.mark.parametrize("world", [2, 3, 4])

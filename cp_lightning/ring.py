@@ -1,0 +1,133 @@
+"""Ring attention: K/V blocks travel rank to rank by P2P, each rank holding O(S/P) of them.
+
+Forward, on the rank at ring position r of P: at step s it holds the K/V block of rank (r - s) mod P.
+It starts sending that block to rank r+1 (and receiving the next from r-1) *before* computing
+attention on it, so the transfer overlaps the compute (double buffering: the block being computed
+and the block in flight). Partial outputs are merged in fp32 with their log-sum-exp (LSE).
+
+Backward: each block's gradient is recomputed with the final output and LSE, which is exact. dQ
+stays local. The dK/dV accumulator of a block travels the ring with it, each rank adding its part,
+and the last hop brings it home: after P hops rank r holds the full dK/dV of its own block.
+No all-gather of K/V happens anywhere.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from cp_lightning.collectives import record_sent
+from cp_lightning.kernels import Kernel
+
+KV_TAG, BIAS_TAG, GRAD_TAG = 0, 1, 2
+
+
+class RingComm:
+    """Send to the next rank of a ring group and receive from the previous one, asynchronously."""
+
+    def __init__(self, group: dist.ProcessGroup) -> None:
+        self.group = group
+        self.world = dist.get_world_size(group)
+        rank = dist.get_rank(group)
+        self.next = dist.get_global_rank(group, (rank + 1) % self.world)
+        self.prev = dist.get_global_rank(group, (rank - 1) % self.world)
+
+    def start(self, tensors: list[torch.Tensor], tags: list[int]) -> tuple[list[torch.Tensor], list]:
+        """Post sends of ``tensors`` and receives into fresh buffers of the same shapes; returns both."""
+        buffers = [torch.empty_like(t) for t in tensors]
+        ops = []
+        for tensor, buffer, tag in zip(tensors, buffers, tags, strict=True):
+            record_sent(f"p2p:{tag}", tensor.numel() * tensor.element_size())
+            ops.append(dist.P2POp(dist.isend, tensor, self.next, self.group, tag))
+            ops.append(dist.P2POp(dist.irecv, buffer, self.prev, self.group, tag))
+        return buffers, dist.batch_isend_irecv(ops)
+
+    @staticmethod
+    def finish(pending: tuple[list[torch.Tensor], list]) -> list[torch.Tensor]:
+        buffers, works = pending
+        for work in works:
+            work.wait()
+        return buffers
+
+
+def _masked_lse(lse: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """Kernels report LSE 0 for a row whose keys are all masked; the merge needs -inf there."""
+    if bias is None:
+        return lse
+    empty = torch.isneginf(bias).all(dim=-1)  # B, H|1, 1: every key of this block masked
+    return lse.masked_fill(empty, float("-inf"))
+
+
+def merge(out: torch.Tensor | None, lse: torch.Tensor | None, block_out: torch.Tensor, block_lse: torch.Tensor):
+    """Combine two softmax-normalised partial outputs by their LSE, in fp32 (stable: no exp of a max)."""
+    block_out = block_out.float()
+    if out is None:
+        return block_out, block_lse
+    new_lse = torch.logaddexp(lse, block_lse)
+    # exp(lse - new_lse) <= 1; both -inf (rows masked so far) gives nan, which means weight 0
+    old_weight = torch.exp(lse - new_lse).nan_to_num(0.0).unsqueeze(-1)
+    block_weight = torch.exp(block_lse - new_lse).nan_to_num(0.0).unsqueeze(-1)
+    return out * old_weight + block_out * block_weight, new_lse
+
+
+class _RingAttention(torch.autograd.Function):
+    """q, k, v: (B, H, S_local, D); bias: None or (B, H|1, 1, S_k_local) additive, in q's dtype."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, bias, group, kernel: Kernel, scale):
+        comm = RingComm(group)
+        kv = torch.stack([k, v])  # 2, B, H, S_k, D: one message per step
+        block_bias = bias
+        out = lse = None
+        for step in range(comm.world):
+            pending = None
+            if step + 1 < comm.world:
+                tensors, tags = [kv], [KV_TAG]
+                if block_bias is not None:
+                    tensors, tags = [kv, block_bias.contiguous()], [KV_TAG, BIAS_TAG]
+                pending = comm.start(tensors, tags)
+            block_out, block_lse = kernel.forward(q, kv[0], kv[1], block_bias, scale)
+            out, lse = merge(out, lse, block_out, _masked_lse(block_lse, block_bias))
+            if pending is not None:
+                received = comm.finish(pending)
+                kv = received[0]
+                block_bias = received[1] if block_bias is not None else None
+        out = out.to(q.dtype)
+        ctx.save_for_backward(q, k, v, out, lse, *([] if bias is None else [bias]))
+        ctx.group, ctx.kernel, ctx.scale, ctx.has_bias = group, kernel, scale, bias is not None
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse, *rest = ctx.saved_tensors
+        bias = rest[0] if ctx.has_bias else None
+        comm = RingComm(ctx.group)
+        # rows with no unmasked key at all: +inf makes every probability exp(s - inf) = 0
+        lse = lse.masked_fill(torch.isneginf(lse), float("inf"))
+        dq = torch.zeros_like(q, dtype=torch.float32)
+        kv, block_bias = torch.stack([k, v]), bias
+        grad_pending = None
+        for step in range(comm.world):
+            kv_pending = None
+            if step + 1 < comm.world:
+                tensors, tags = [kv], [KV_TAG]
+                if block_bias is not None:
+                    tensors, tags = [kv, block_bias.contiguous()], [KV_TAG, BIAS_TAG]
+                kv_pending = comm.start(tensors, tags)
+            dq_block, dk_block, dv_block = ctx.kernel.backward(dout, q, kv[0], kv[1], out, lse, block_bias, ctx.scale)
+            dq += dq_block.float()
+            dkv = torch.stack([dk_block, dv_block]).float()
+            if grad_pending is not None:
+                dkv += comm.finish(grad_pending)[0]  # this block's accumulator from the previous rank
+            grad_pending = comm.start([dkv], [GRAD_TAG])  # on to the next rank; the last hop goes home
+            if kv_pending is not None:
+                received = comm.finish(kv_pending)
+                kv = received[0]
+                block_bias = received[1] if block_bias is not None else None
+        dkv = comm.finish(grad_pending)[0]
+        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None
+
+
+def ring_attention(q, k, v, *, group: dist.ProcessGroup, kernel: Kernel, bias=None, scale=None) -> torch.Tensor:
+    """Exact attention of local queries over the K/V blocks of every rank in ``group`` (all (B, H, S, D))."""
+    return _RingAttention.apply(q, k, v, bias, group, kernel, scale)
