@@ -19,7 +19,8 @@ import torch.distributed as dist
 from cp_lightning.collectives import record_sent
 from cp_lightning.kernels import Kernel
 
-KV_TAG, BIAS_TAG, GRAD_TAG = 0, 1, 2
+# message tags: K, V and the mask travel together; the dK/dV accumulators follow them
+K_TAG, V_TAG, BIAS_TAG, DK_TAG, DV_TAG = range(5)
 
 
 class RingComm:
@@ -34,7 +35,8 @@ class RingComm:
 
     def start(self, tensors: list[torch.Tensor], tags: list[int]) -> tuple[list[torch.Tensor], list]:
         """Post sends of ``tensors`` and receives into fresh buffers of the same shapes; returns both."""
-        buffers = [torch.empty_like(t) for t in tensors]
+        tensors = [t.contiguous() for t in tensors]
+        buffers = [torch.empty_like(t, memory_format=torch.contiguous_format) for t in tensors]
         ops = []
         for tensor, buffer, tag in zip(tensors, buffers, tags, strict=True):
             record_sent(f"p2p:{tag}", tensor.numel() * tensor.element_size())
@@ -59,15 +61,37 @@ def _masked_lse(lse: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
 
 
 def merge(out: torch.Tensor | None, lse: torch.Tensor | None, block_out: torch.Tensor, block_lse: torch.Tensor):
-    """Combine two softmax-normalised partial outputs by their LSE, in fp32 (stable: no exp of a max)."""
-    block_out = block_out.float()
+    """Combine two softmax-normalised partial outputs by their LSE, in fp32, updating ``out`` in place.
+
+    new_lse = log(e^lse + e^block_lse) (logaddexp: no overflow); each side is weighted by
+    exp(its_lse - new_lse) <= 1. Both -inf (rows masked so far) gives nan, which means weight 0.
+    """
     if out is None:
-        return block_out, block_lse
+        return block_out.float(), block_lse
     new_lse = torch.logaddexp(lse, block_lse)
-    # exp(lse - new_lse) <= 1; both -inf (rows masked so far) gives nan, which means weight 0
-    old_weight = torch.exp(lse - new_lse).nan_to_num(0.0).unsqueeze(-1)
-    block_weight = torch.exp(block_lse - new_lse).nan_to_num(0.0).unsqueeze(-1)
-    return out * old_weight + block_out * block_weight, new_lse
+    old_weight = torch.exp(lse - new_lse).nan_to_num_(0.0).unsqueeze(-1)
+    block_weight = torch.exp(block_lse - new_lse).nan_to_num_(0.0).unsqueeze(-1)
+    out.mul_(old_weight).add_(block_out * block_weight)
+    return out, new_lse
+
+
+def _wire(x: torch.Tensor) -> torch.Tensor:
+    """(B, H, S, D) view -> contiguous (B, S, H, D) for sending. The kernels read and write the
+    (B, S, H, D) memory layout that diffusers' processors produce, so this is usually free."""
+    return x.transpose(1, 2).contiguous()
+
+
+def _start_blocks(comm: RingComm, k, v, bias):
+    """Send this K/V block (and its mask) on and receive the previous rank's, without copying it."""
+    tensors, tags = [k, v], [K_TAG, V_TAG]
+    if bias is not None:
+        tensors, tags = [k, v, bias], [K_TAG, V_TAG, BIAS_TAG]
+    return comm.start(tensors, tags)
+
+
+def _finish_blocks(comm: RingComm, pending):
+    received = comm.finish(pending)
+    return received[0], received[1], (received[2] if len(received) > 2 else None)
 
 
 class _RingAttention(torch.autograd.Function):
@@ -76,22 +100,20 @@ class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, bias, group, kernel: Kernel, scale):
         comm = RingComm(group)
-        kv = torch.stack([k, v])  # 2, B, H, S_k, D: one message per step
-        block_bias = bias
+        bias = None if bias is None else bias.contiguous()
+        # blocks travel as contiguous B, S, H, D; the kernels see B, H, S, D views of them
+        block_k, block_v, block_bias = _wire(k), _wire(v), bias
         out = lse = None
         for step in range(comm.world):
-            pending = None
-            if step + 1 < comm.world:
-                tensors, tags = [kv], [KV_TAG]
-                if block_bias is not None:
-                    tensors, tags = [kv, block_bias.contiguous()], [KV_TAG, BIAS_TAG]
-                pending = comm.start(tensors, tags)
-            block_out, block_lse = kernel.forward(q, kv[0], kv[1], block_bias, scale)
+            # post the transfer of the next block before computing on this one: they overlap
+            pending = _start_blocks(comm, block_k, block_v, block_bias) if step + 1 < comm.world else None
+            block_out, block_lse = kernel.forward(
+                q, block_k.transpose(1, 2), block_v.transpose(1, 2), block_bias, scale
+            )
             out, lse = merge(out, lse, block_out, _masked_lse(block_lse, block_bias))
+            del block_out, block_lse
             if pending is not None:
-                received = comm.finish(pending)
-                kv = received[0]
-                block_bias = received[1] if block_bias is not None else None
+                block_k, block_v, block_bias = _finish_blocks(comm, pending)
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse, *([] if bias is None else [bias]))
         ctx.group, ctx.kernel, ctx.scale, ctx.has_bias = group, kernel, scale, bias is not None
@@ -105,27 +127,27 @@ class _RingAttention(torch.autograd.Function):
         # rows with no unmasked key at all: +inf makes every probability exp(s - inf) = 0
         lse = lse.masked_fill(torch.isneginf(lse), float("inf"))
         dq = torch.zeros_like(q, dtype=torch.float32)
-        kv, block_bias = torch.stack([k, v]), bias
+        block_k, block_v, block_bias = _wire(k), _wire(v), bias
         grad_pending = None
         for step in range(comm.world):
-            kv_pending = None
-            if step + 1 < comm.world:
-                tensors, tags = [kv], [KV_TAG]
-                if block_bias is not None:
-                    tensors, tags = [kv, block_bias.contiguous()], [KV_TAG, BIAS_TAG]
-                kv_pending = comm.start(tensors, tags)
-            dq_block, dk_block, dv_block = ctx.kernel.backward(dout, q, kv[0], kv[1], out, lse, block_bias, ctx.scale)
-            dq += dq_block.float()
-            dkv = torch.stack([dk_block, dv_block]).float()
-            if grad_pending is not None:
-                dkv += comm.finish(grad_pending)[0]  # this block's accumulator from the previous rank
-            grad_pending = comm.start([dkv], [GRAD_TAG])  # on to the next rank; the last hop goes home
+            kv_pending = _start_blocks(comm, block_k, block_v, block_bias) if step + 1 < comm.world else None
+            dq_block, dk_block, dv_block = ctx.kernel.backward(
+                dout, q, block_k.transpose(1, 2), block_v.transpose(1, 2), out, lse, block_bias, ctx.scale
+            )
+            dq += dq_block
+            if grad_pending is None:  # accumulators in fp32, laid out B, S, H, D like the blocks
+                dk, dv = _wire(dk_block).float(), _wire(dv_block).float()
+            else:  # this block's accumulators, from the previous rank
+                dk, dv = comm.finish(grad_pending)
+                dk += dk_block.transpose(1, 2)
+                dv += dv_block.transpose(1, 2)
+            del dq_block, dk_block, dv_block
+            grad_pending = comm.start([dk, dv], [DK_TAG, DV_TAG])  # on to the next rank; the last hop goes home
             if kv_pending is not None:
-                received = comm.finish(kv_pending)
-                kv = received[0]
-                block_bias = received[1] if block_bias is not None else None
-        dkv = comm.finish(grad_pending)[0]
-        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None
+                block_k, block_v, block_bias = _finish_blocks(comm, kv_pending)
+        dk, dv = comm.finish(grad_pending)
+        dk, dv = dk.transpose(1, 2).to(k.dtype), dv.transpose(1, 2).to(v.dtype)
+        return dq.to(q.dtype), dk, dv, None, None, None, None
 
 
 def ring_attention(q, k, v, *, group: dist.ProcessGroup, kernel: Kernel, bias=None, scale=None) -> torch.Tensor:

@@ -43,6 +43,8 @@ def _bad_setup(name):
     if name == "unknown_argument":
         plan = {"": {"latents": ContextParallelInput(split_dim=1)}, "proj_out": ContextParallelOutput(gather_dim=1)}
         return lambda: parallelize(tiny_model("flux"), cp=2, plan=plan)
+    if name == "kernel_without_lse":
+        return lambda: parallelize(tiny_model("flux"), cp=2, ring=2, kernel="sdpa")
     raise KeyError(name)
 
 
@@ -53,15 +55,17 @@ SETUP_ERRORS = {
     "no_plan": "has no diffusers `_cp_plan`",
     "missing_module": "names no submodule",
     "unknown_argument": "splits argument 'latents'",
+    "kernel_without_lse": "cannot return the log-sum-exp",
 }
 RUNTIME_ERRORS = {
     "length_not_divisible": "not evenly|divisible by 2",
     "unexpected_dims": "expected a 3-d tensor",
     "per_query_mask": "one row per query",
+    "kernel_for_another_device": "runs on \\('cuda',\\)",
 }
 
 
-def _runtime_call(name, model, mesh):
+def _runtime_call(name, model, ring_model, mesh):
     from cp_lightning.attention import ulysses_attention
     from cp_lightning.tiny import tiny_inputs
 
@@ -75,6 +79,9 @@ def _runtime_call(name, model, mesh):
     if name == "per_query_mask":
         q = torch.randn(1, 4, 2, 8)
         return lambda: ulysses_attention(q, q, q, group=mesh["cp"].get_group(), attn_mask=torch.ones(1, 1, 4, 4) > 0)
+    if name == "kernel_for_another_device":
+        inputs = tiny_inputs("flux", ring_model)
+        return lambda: ring_model(**inputs)
     raise KeyError(name)
 
 
@@ -100,9 +107,10 @@ def _worker(rank, world):
     dist.barrier()
     mesh = build_mesh(2)
     model = parallelize(tiny_model("flux"), mesh=mesh)
+    ring_model = parallelize(tiny_model("flux"), mesh=mesh, ring=2, kernel="cuda_flash")
     if rank == 0:
         for name in RUNTIME_ERRORS:
-            attempt(name, _runtime_call(name, model, mesh))
+            attempt(name, _runtime_call(name, model, ring_model, mesh))
     dist.barrier()
     return caught
 
@@ -137,3 +145,13 @@ def test_degrees_must_be_positive_ints(cp):
 
     with pytest.raises((ValueError, TypeError), match="cp must be"):
         validate_degrees(cp, 1, 4)
+
+
+def test_usp_heads_must_divide_the_ulysses_degree():
+    from cp_lightning.attention import check_processors
+    from cp_lightning.tiny import tiny_model
+
+    # cp=4 with ring=2 leaves a Ulysses degree of 2: 3 heads cannot be split
+    with pytest.raises(ValueError, match="3 attention heads, not divisible by the Ulysses degree 2"):
+        check_processors(tiny_model("flux", heads=3), 2)
+    check_processors(tiny_model("flux", heads=3), 1)  # pure ring (ulysses degree 1) takes any head count

@@ -1,7 +1,8 @@
-"""Model-level parity: tiny diffusers transformers under Ulysses CP against one process.
+"""Model-level parity: tiny diffusers transformers under CP (Ulysses, ring, USP) against one process.
 
-One spawned group of 4 gloo workers runs every case (starting a group costs seconds); each case is
-then asserted by its own parametrized test. cp=2 runs as dp=2 x cp=2, cp=4 as dp=1 x cp=4.
+One spawned group per world size (4, and 3 for cp=3) runs every case, since starting a group costs
+seconds; each case is then asserted by its own parametrized test. In the world of 4, cp=2 runs as
+dp=2 x cp=2 and cp=4 as dp=1 x cp=4.
 """
 
 from __future__ import annotations
@@ -15,8 +16,11 @@ import torch.distributed as dist
 from tests.distributed import spawn
 
 MODELS = ["flux", "wan", "qwenimage", "ltx"]
-FP32_CASES = [(name, cp, ckpt) for name in MODELS for cp in (2, 4) for ckpt in (False, True)]
-BF16_CASES = [(name, 2) for name in MODELS]
+# (cp, ring): Ulysses at 2 and 4, ring at 2, 3 and 4, USP 4 = 2 ring x 2 ulysses
+LAYOUTS = [(2, 1), (4, 1), (2, 2), (3, 3), (4, 4), (4, 2)]
+FP32_CASES = [(name, cp, ring, ckpt) for name in MODELS for cp, ring in LAYOUTS for ckpt in (False, True)]
+BF16_CASES = [(name, cp, ring) for name in MODELS for cp, ring in [(2, 1), (4, 4)]]
+TOKENS, TEXT_TOKENS = 24, 12  # divisible by 2, 3 and 4
 
 OUT_TOL = 1e-5
 GRAD_TOL = 1e-4
@@ -43,7 +47,7 @@ def _grads(model):
     }
 
 
-def _run_case(name, cp, ckpt, meshes, dtype=torch.float32):
+def _run_case(name, cp, ring, ckpt, meshes, dtype=torch.float32):
     from cp_lightning import parallelize, remove
     from cp_lightning.tiny import tiny_inputs, tiny_model
 
@@ -51,11 +55,11 @@ def _run_case(name, cp, ckpt, meshes, dtype=torch.float32):
     if ckpt:
         reference.enable_gradient_checkpointing()
     model = copy.deepcopy(reference).to(dtype)
-    inputs = tiny_inputs(name, reference)
+    inputs = tiny_inputs(name, reference, tokens=TOKENS, text_tokens=TEXT_TOKENS)
     ref_out = _forward_backward(reference, inputs)
     ref_grads = _grads(reference)
 
-    parallelize(model, mesh=meshes[cp])
+    parallelize(model, mesh=meshes[cp], ring=ring)
     cast = {k: (v.to(dtype) if torch.is_tensor(v) and v.is_floating_point() else v) for k, v in inputs.items()}
     out = _forward_backward(model, cast)
     grads = _grads(model)
@@ -76,44 +80,52 @@ def _run_case(name, cp, ckpt, meshes, dtype=torch.float32):
         plain_grads = _grads(plain)
         result["plain_out_err"] = (plain_out - ref_out).abs().max().item()
         result["plain_grad_err"] = max(grad_rel_err(plain_grads[n], ref_grads[n]) for n in ref_grads)
-        result["grad_err"] = max(grad_rel_err(grads[n], ref_grads[n]) for n in ref_grads)
     return result
 
 
 def _all_cases(rank, world):
     from cp_lightning import build_mesh
 
-    meshes = {cp: build_mesh(cp) for cp in (2, 4)}
+    meshes = {cp: build_mesh(cp) for cp in (2, 3, 4) if world % cp == 0}
     results = {}
-    for name, cp, ckpt in FP32_CASES:
-        results[(name, cp, ckpt, "fp32")] = _run_case(name, cp, ckpt, meshes)
-    for name, cp in BF16_CASES:
-        results[(name, cp, False, "bf16")] = _run_case(name, cp, False, meshes, dtype=torch.bfloat16)
+    for name, cp, ring, ckpt in FP32_CASES:
+        if cp in meshes:
+            results[(name, cp, ring, ckpt, "fp32")] = _run_case(name, cp, ring, ckpt, meshes)
+    for name, cp, ring in BF16_CASES:
+        if cp in meshes:
+            results[(name, cp, ring, False, "bf16")] = _run_case(name, cp, ring, False, meshes, dtype=torch.bfloat16)
     return results
 
 
 @pytest.fixture(scope="module")
 def results():
-    per_rank = spawn(_all_cases, 4)
-    # every rank computed every case; rank 0's figures are reported, the worst over ranks is asserted
     merged = {}
-    for case in per_rank[0]:
-        merged[case] = {k: v for k, v in per_rank[0][case].items()}
-        for key in ("out_err", "grad_err"):
-            merged[case][key] = max(r[case][key] for r in per_rank)
+    for world in (4, 3):
+        per_rank = spawn(_all_cases, world)
+        # every rank computed every case; the worst figure over ranks is asserted
+        for case in per_rank[0]:
+            merged[case] = dict(per_rank[0][case])
+            for key in ("out_err", "grad_err"):
+                merged[case][key] = max(r[case][key] for r in per_rank)
     return merged
 
 
-@pytest.mark.parametrize("name,cp,ckpt", FP32_CASES)
-def test_fp32_parity(results, name, cp, ckpt):
-    r = results[(name, cp, ckpt, "fp32")]
+def _id(case):
+    name, cp, ring, *rest = case
+    mode = "ulysses" if ring == 1 else ("ring" if ring == cp else f"usp-r{ring}")
+    return f"{name}-cp{cp}-{mode}" + ("-ckpt" if rest and rest[0] else "")
+
+
+@pytest.mark.parametrize("case", FP32_CASES, ids=[_id(c) for c in FP32_CASES])
+def test_fp32_parity(results, case):
+    r = results[(*case, "fp32")]
     assert r["out_err"] <= OUT_TOL, r
     assert r["grad_err"] <= GRAD_TOL, r
 
 
-@pytest.mark.parametrize("name,cp", BF16_CASES)
-def test_bf16_within_plain_bf16_error(results, name, cp):
-    r = results[(name, cp, False, "bf16")]
-    # CP in bf16 reorders reductions, it must not be much worse than plain bf16 against fp32
+@pytest.mark.parametrize("case", BF16_CASES, ids=[_id(c) for c in BF16_CASES])
+def test_bf16_within_plain_bf16_error(results, case):
+    r = results[(*case, False, "bf16")]
+    # CP in bf16 reorders reductions; it must not be much worse than plain bf16 against fp32
     assert r["out_err"] <= 2 * r["plain_out_err"] + 1e-3, r
     assert r["grad_err"] <= 2 * r["plain_grad_err"] + 1e-3, r
