@@ -4,8 +4,18 @@ Public entry points: :func:`build_mesh` (the (dp, cp) device mesh) and :func:`pa
 (split/gather hooks plus context-parallel attention on a diffusers model).
 """
 
+from cp_lightning.checks import CPMismatchError
 from cp_lightning.mesh import build_mesh
-from cp_lightning.parallelize import parallelize, remove
+from cp_lightning.parallelize import loss_shard, parallelize, remove
+from cp_lightning.strategy import ContextParallelStrategy, FabricContextParallelStrategy
 
-__all__ = ["build_mesh", "parallelize", "remove"]
+__all__ = [
+    "CPMismatchError",
+    "ContextParallelStrategy",
+    "FabricContextParallelStrategy",
+    "build_mesh",
+    "loss_shard",
+    "parallelize",
+    "remove",
+]
 __version__ = "0.1.0"

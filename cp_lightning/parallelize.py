@@ -15,7 +15,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.utils.hooks import RemovableHandle
 
-from cp_lightning import attention
+from cp_lightning import attention, collectives
+from cp_lightning.checks import ConsistencyCheck
 from cp_lightning.kernels import get_kernel
 from cp_lightning.mesh import CP, CPGroups, _require_process_group, build_mesh, cp_groups, validate_degrees
 from cp_lightning.plan import apply_plan, remove_plan, resolve_plan
@@ -31,6 +32,8 @@ class ParallelState:
     groups: CPGroups
     handles: list[RemovableHandle]
     attention_modules: list[tuple[str, nn.Module]]
+    check: ConsistencyCheck
+    loss_parallel: bool
 
 
 def parallelize(
@@ -41,6 +44,8 @@ def parallelize(
     ring: int = 1,
     plan: Mapping | None = None,
     kernel: str | None = None,
+    loss_parallel: bool = False,
+    check_steps: int = 0,
 ) -> nn.Module:
     """Make ``module`` context parallel, in place, and return it.
 
@@ -56,6 +61,10 @@ def parallelize(
         plan: a plan in diffusers' ``_cp_plan`` vocabulary; defaults to ``module._cp_plan``.
         kernel: the local attention kernel ring attention uses (see ``cp_lightning.kernels.KERNELS``);
             by default the best one for the device and dtype.
+        loss_parallel: leave the outputs at the plan's gather points sharded; compute the loss on
+            each rank's shard (see :func:`loss_shard` for the targets).
+        check_steps: for this many training forward passes, check at every split point that the CP
+            peers were given identical inputs (:class:`cp_lightning.checks.CPMismatchError` if not).
     """
     if not isinstance(module, nn.Module):
         raise TypeError(f"parallelize() takes a torch.nn.Module, got {type(module).__name__}.")
@@ -85,9 +94,11 @@ def parallelize(
     if mesh is None:
         mesh = build_mesh(cp, ring=ring)
     groups = cp_groups(mesh, ring)
-    handles = apply_plan(entries, groups.cp)
+    check = ConsistencyCheck(groups.cp, check_steps)
+    handles = apply_plan(entries, groups.cp, check=check, gather=not loss_parallel)
+    handles.append(module.register_forward_pre_hook(lambda mod, _args: check.on_forward(mod)))
     attention.route_processors(found, attention.ContextParallelAttention(groups, kernel))
-    setattr(module, _STATE, ParallelState(mesh, groups, handles, found))
+    setattr(module, _STATE, ParallelState(mesh, groups, handles, found, check, loss_parallel))
     return module
 
 
@@ -105,3 +116,15 @@ def remove(module: nn.Module) -> nn.Module:
 def parallel_state(module: nn.Module) -> ParallelState | None:
     """The :class:`ParallelState` of a parallelized module, or None."""
     return getattr(module, _STATE, None)
+
+
+def loss_shard(target, module: nn.Module, dim: int = 1):
+    """This rank's shard of ``target`` when ``module`` runs in loss-parallel mode, else ``target``.
+
+    In loss-parallel mode the model's output stays split along the sequence, so the loss needs the
+    matching slice of the target. The same code then runs unchanged with and without CP.
+    """
+    state = parallel_state(module)
+    if state is None or not state.loss_parallel:
+        return target
+    return collectives.shard(target, dim, state.groups.cp)

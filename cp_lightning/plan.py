@@ -140,7 +140,7 @@ def resolve_plan(module: nn.Module, plan: Mapping | None) -> list[ResolvedEntry]
     return entries
 
 
-def _split(x: torch.Tensor, spec: ContextParallelInput, group, where: str) -> torch.Tensor:
+def _split(x: torch.Tensor, spec: ContextParallelInput, group, where: str, check=None) -> torch.Tensor:
     if x.dim() <= spec.split_dim:
         # The entry does not apply to this form of the input, e.g. Wan's plan splits a per-token
         # timestep (B, S) and is handed a per-sample one (B,): there is no sequence to split.
@@ -151,29 +151,32 @@ def _split(x: torch.Tensor, spec: ContextParallelInput, group, where: str) -> to
             f"{tuple(x.shape)}. Pass inputs in the layout the model documents, or fix expected_dims in the plan."
         )
     try:
-        return collectives.shard(x, spec.split_dim, group)
+        local = collectives.shard(x, spec.split_dim, group)
     except ValueError as err:
         raise ValueError(f"{where}: {err}") from None
+    if check is not None:  # after the local validation above: a user mistake never reaches a collective
+        check(where, x)
+    return local
 
 
-def _split_value(value, spec, group, where: str):
+def _split_value(value, spec, group, where: str, check=None):
     if isinstance(value, torch.Tensor):
         if isinstance(spec, (list, tuple)):
             raise TypeError(f"{where}: the plan has a list of {len(spec)} specs but the value is a single tensor.")
-        return _split(value, spec, group, where)
+        return _split(value, spec, group, where, check)
     if isinstance(value, (list, tuple)):
         specs = spec if isinstance(spec, (list, tuple)) else [spec] * len(value)
         if len(specs) != len(value):
             raise ValueError(f"{where}: the plan has {len(specs)} specs for a sequence of {len(value)} values.")
         out = [
-            _split(v, s, group, f"{where}[{i}]") if isinstance(v, torch.Tensor) else v
+            _split(v, s, group, f"{where}[{i}]", check) if isinstance(v, torch.Tensor) else v
             for i, (v, s) in enumerate(zip(value, specs, strict=True))
         ]
         return type(value)(out)
     raise TypeError(f"{where}: cannot split a {type(value).__name__}; the plan expects tensors here.")
 
 
-def _split_inputs_hook(name: str, spec: Mapping, group, module: nn.Module) -> Callable:
+def _split_inputs_hook(name: str, spec: Mapping, group, module: nn.Module, check=None) -> Callable:
     params = list(inspect.signature(module.forward).parameters)
     by_name = {key: value for key, value in spec.items() if isinstance(key, str)}
 
@@ -183,11 +186,11 @@ def _split_inputs_hook(name: str, spec: Mapping, group, module: nn.Module) -> Ca
             where = f"{name or '<root>'}({arg})"
             if arg in kwargs:
                 if kwargs[arg] is not None:
-                    kwargs[arg] = _split_value(kwargs[arg], arg_spec, group, where)
+                    kwargs[arg] = _split_value(kwargs[arg], arg_spec, group, where, check)
             else:
                 index = params.index(arg)
                 if index < len(args) and args[index] is not None:
-                    args[index] = _split_value(args[index], arg_spec, group, where)
+                    args[index] = _split_value(args[index], arg_spec, group, where, check)
         return tuple(args), kwargs
 
     return hook
@@ -233,18 +236,24 @@ def _gather_hook(name: str, spec, group) -> Callable:
     return hook
 
 
-def apply_plan(entries: Sequence[ResolvedEntry], group: dist.ProcessGroup) -> list[RemovableHandle]:
-    """Install the split and gather hooks of a resolved plan; returns the handles to remove them."""
+def apply_plan(
+    entries: Sequence[ResolvedEntry], group: dist.ProcessGroup, *, check: Callable | None = None, gather: bool = True
+) -> list[RemovableHandle]:
+    """Install the split and gather hooks of a resolved plan; returns the handles to remove them.
+
+    ``check(where, tensor)`` is called on each full input before it is split (see checks.py);
+    ``gather=False`` leaves outputs sharded (loss-parallel training).
+    """
     handles = []
     for entry in entries:
         for name, sub in entry.modules:
             if isinstance(entry.spec, Mapping):
                 if any(isinstance(key, str) for key in entry.spec):
-                    hook = _split_inputs_hook(name, entry.spec, group, sub)
+                    hook = _split_inputs_hook(name, entry.spec, group, sub, check)
                     handles.append(sub.register_forward_pre_hook(hook, with_kwargs=True))
                 if any(isinstance(key, int) for key in entry.spec):
                     handles.append(sub.register_forward_hook(_split_outputs_hook(name, entry.spec, group)))
-            else:
+            elif gather:
                 handles.append(sub.register_forward_hook(_gather_hook(name, entry.spec, group)))
     return handles
 

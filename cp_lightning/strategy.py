@@ -1,0 +1,285 @@
+"""``ContextParallelStrategy``: Lightning training over a (dp, cp) mesh with exact gradient math.
+
+A thin shell over :func:`cp_lightning.parallelize` and DDP, in a fixed order: validate the layout
+(at Trainer construction, before any process starts), build the mesh (readable in
+``configure_model``), seed torch's RNG per data-parallel rank, parallelize every module that has a
+plan, then wrap in DDP over the flattened dp x cp group with a communication hook that divides by
+dp instead of the world size:
+
+    full gradient = SUM over cp (each CP rank holds its shard's part) and MEAN over dp
+
+in one all-reduce per bucket. Plain DDP divides by dp x cp: cp times too small. In loss-parallel
+mode each rank's loss covers its own shard, so the plain mean over dp x cp is already exact.
+The sampler is sized by dp, so CP peers draw the same batch.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from lightning.fabric.strategies import DDPStrategy as FabricDDPStrategy
+from lightning.pytorch.strategies import DDPStrategy
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from cp_lightning.kernels import get_kernel
+from cp_lightning.mesh import CP, DP, _check_int, build_mesh
+from cp_lightning.parallelize import parallel_state, parallelize
+from cp_lightning.plan import resolve_plan
+
+
+class _ContextParallel:
+    """What the Lightning and the Fabric strategies share."""
+
+    def _init_cp(self, cp, ring, plan, loss_parallel, kernel, allow_cross_node, check_steps) -> None:
+        self.cp = _check_int("cp", cp)
+        self.ring = _check_int("ring", ring)
+        if cp % ring != 0:
+            raise ValueError(
+                f"ring={ring} must divide cp={cp} (cp = ring x ulysses); pick ring from the divisors of cp."
+            )
+        if plan is not None and not isinstance(plan, Mapping):
+            raise TypeError(f"plan must be a dict of module path -> CP plan, got {type(plan).__name__}.")
+        if kernel is not None:
+            get_kernel(kernel)
+        if check_steps < 0:
+            raise ValueError(f"check_steps must be >= 0, got {check_steps}.")
+        self.plan, self.loss_parallel, self.kernel = plan, bool(loss_parallel), kernel
+        self.allow_cross_node, self.check_steps = allow_cross_node, check_steps
+        self._mesh: DeviceMesh | None = None
+
+    # -- layout ---------------------------------------------------------------------------------
+    def _validate_layout(self) -> None:
+        """Pure arithmetic on devices and nodes: runs before any process is launched."""
+        per_node, nodes = self.num_processes, self.num_nodes
+        world = per_node * nodes
+        if world == 1 and self.cp > 1:
+            raise ValueError(
+                f"cp={self.cp} needs cp processes, but the Trainer runs 1 (devices=1). Use devices={self.cp} "
+                "(or more, a multiple of cp), or drop ContextParallelStrategy."
+            )
+        if world % self.cp != 0:
+            raise ValueError(
+                f"cp={self.cp} must divide the number of processes, devices x num_nodes = {per_node} x {nodes} = "
+                f"{world}; the data-parallel degree is their quotient."
+            )
+        if per_node % self.cp != 0 and not self.allow_cross_node:
+            raise ValueError(
+                f"cp={self.cp} does not divide the {per_node} devices per node, so a CP group would span nodes "
+                f"(slow inter-node attention traffic). Use cp dividing {per_node}, or pass allow_cross_node=True."
+            )
+
+    @property
+    def device_mesh(self) -> DeviceMesh:
+        """The (dp, cp) mesh; available from setup on (e.g. in ``configure_model``)."""
+        if self._mesh is None:
+            raise RuntimeError(
+                "the device mesh is built when the strategy sets up its processes; read it in configure_model, "
+                "setup() or later hooks, not in the LightningModule's __init__."
+            )
+        return self._mesh
+
+    @property
+    def dp_size(self) -> int:
+        return self.device_mesh[DP].size()
+
+    @property
+    def dp_rank(self) -> int:
+        return self.device_mesh[DP].get_local_rank()
+
+    @property
+    def cp_rank(self) -> int:
+        return self.device_mesh[CP].get_local_rank()
+
+    def _build_mesh_and_seed(self) -> None:
+        self._mesh = build_mesh(self.cp, ring=self.ring, device_type=self.root_device.type, allow_cross_node=True)
+        # Noise and timesteps drawn in training_step must be equal on CP peers and differ across dp
+        # ranks, whether or not the user seeded: one base seed for the job, offset by the dp rank.
+        base = os.environ.get("PL_GLOBAL_SEED")
+        if base is None:
+            shared = [random.SystemRandom().randrange(2**31)]
+            dist.broadcast_object_list(shared, src=0)
+            base = shared[0]
+        seed = (int(base) + 1_000_003 * self.dp_rank) % 2**63
+        torch.manual_seed(seed)  # CPU and every CUDA device
+        random.seed(seed)
+
+    def _gather_rng_states(self) -> dict[int, dict]:
+        local = {"torch": torch.get_rng_state(), "python": random.getstate()}
+        if torch.cuda.is_available():
+            local["cuda"] = torch.cuda.get_rng_state_all()
+        states = [None] * dist.get_world_size()
+        dist.all_gather_object(states, (self.dp_rank, local))
+        return dict(states)
+
+    def _restore_rng_state(self, states: dict | None) -> None:
+        if not states:
+            return
+        if self.dp_rank not in states:
+            raise ValueError(
+                f"the checkpoint holds RNG states for dp ranks {sorted(states)}, but this run has dp rank "
+                f"{self.dp_rank}; resume with the same dp x cp layout, or drop 'cp_lightning' from the checkpoint."
+            )
+        state = states[self.dp_rank]
+        torch.set_rng_state(state["torch"])
+        random.setstate(state["python"])
+        if "cuda" in state and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(state["cuda"])
+
+    # -- model ----------------------------------------------------------------------------------
+    def _targets(self, root: nn.Module) -> list[tuple[str, nn.Module, Mapping | None]]:
+        if self.plan is not None:
+            targets = []
+            for path, module_plan in self.plan.items():
+                try:
+                    targets.append((path, root.get_submodule(path), module_plan))
+                except AttributeError:
+                    raise ValueError(
+                        f"plan names module {path!r}, which {type(root).__name__} does not have."
+                    ) from None
+            return targets
+        targets, covered = [], []
+        for name, module in root.named_modules():
+            if getattr(module, "_cp_plan", None) and not any(name.startswith(c + ".") or c == "" for c in covered):
+                targets.append((name, module, None))
+                covered.append(name)
+        if not targets:
+            raise ValueError(
+                f"no submodule of {type(root).__name__} has a diffusers `_cp_plan`, so there is nothing to split. "
+                "Pass ContextParallelStrategy(plan={'path.to.module': {...}}) with a plan per module, in diffusers' "
+                "ContextParallelInput/ContextParallelOutput vocabulary."
+            )
+        return targets
+
+    def _parallelize(self, root: nn.Module) -> None:
+        targets = self._targets(root)
+        for _, module, module_plan in targets:  # validate every target before the first collective
+            resolve_plan(module, module_plan)
+        for _, module, module_plan in targets:
+            if parallel_state(module) is None:
+                parallelize(module, mesh=self.device_mesh, ring=self.ring, plan=module_plan, kernel=self.kernel,
+                            loss_parallel=self.loss_parallel, check_steps=self.check_steps)  # fmt: skip
+
+    def _register_cp_hook(self, ddp: nn.parallel.DistributedDataParallel) -> None:
+        if self.loss_parallel:
+            return  # plain DDP mean over dp x cp is exact when each rank's loss covers its own shard
+        ddp.register_comm_hook(state=self.dp_size, hook=_sum_cp_mean_dp_hook)
+
+    def shard(self, tensor: torch.Tensor, dim: int = 1) -> torch.Tensor:
+        """This rank's sequence shard of ``tensor`` (loss-parallel targets)."""
+        from cp_lightning.collectives import shard
+
+        return shard(tensor, dim, self.device_mesh[CP].get_group())
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        # CP peers must draw the same samples: the sampler sees only the data-parallel axis
+        return {"num_replicas": self.dp_size, "rank": self.dp_rank}
+
+
+def _sum_cp_mean_dp_hook(dp_size, bucket):
+    """All-reduce a gradient bucket over dp x cp and divide by dp: SUM over cp, MEAN over dp.
+
+    (No annotations: DDP checks them against dist.GradBucket, and this module's are strings.)
+    """
+    buffer = bucket.buffer()
+    buffer.div_(dp_size)
+    work = dist.all_reduce(buffer, group=dist.group.WORLD, async_op=True)
+    return work.get_future().then(lambda fut: fut.value()[0])
+
+
+class ContextParallelStrategy(_ContextParallel, DDPStrategy):
+    """Lightning strategy: context parallelism over groups of ``cp`` devices, data parallel across them.
+
+    Args:
+        cp: context-parallel degree (consecutive devices of a node); dp = devices x num_nodes / cp.
+        ring: ring degree inside cp (cp = ring x ulysses); 1 is pure Ulysses.
+        plan: ``{module_path: plan}`` for modules without a diffusers ``_cp_plan``; by default every
+            submodule that has one is parallelized.
+        loss_parallel: keep outputs sharded and compute the loss per shard (see ``cp_lightning.loss_shard``).
+        kernel: local attention kernel for ring attention (see ``cp_lightning.kernels``).
+        allow_cross_node: let a CP group span nodes.
+        check_steps: training steps during which CP peers' inputs are checked to be identical.
+        **kwargs: passed to Lightning's ``DDPStrategy`` (``timeout``, ``start_method``, DDP arguments).
+    """
+
+    strategy_name = "context_parallel"
+
+    def __init__(self, cp: int, ring: int = 1, *, plan: Mapping | None = None, loss_parallel: bool = False,
+                 kernel: str | None = None, allow_cross_node: bool = False, check_steps: int = 2,
+                 **kwargs: Any) -> None:  # fmt: skip
+        self._init_cp(cp, ring, plan, loss_parallel, kernel, allow_cross_node, check_steps)
+        super().__init__(**kwargs)
+
+    def _configure_launcher(self) -> None:
+        self._validate_layout()
+        super()._configure_launcher()
+
+    def setup_environment(self) -> None:
+        self._validate_layout()
+        super().setup_environment()
+        self._build_mesh_and_seed()
+
+    def setup(self, trainer) -> None:
+        self._parallelize(self.lightning_module)
+        super().setup(trainer)
+
+    def configure_ddp(self) -> None:
+        super().configure_ddp()
+        self._register_cp_hook(self.model)
+
+    def save_checkpoint(self, checkpoint: dict, filepath, storage_options=None) -> None:
+        # Every rank calls this; rank 0 writes. The RNG state differs per dp rank (and is equal on CP
+        # peers), so each dp rank's state goes into the checkpoint and a resumed run draws the same noise.
+        checkpoint["cp_lightning"] = {"rng_states": self._gather_rng_states(), "cp": self.cp, "ring": self.ring}
+        super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+
+    def load_checkpoint(self, checkpoint_path, *args, **kwargs) -> dict:
+        checkpoint = super().load_checkpoint(checkpoint_path, *args, **kwargs)
+        self._restore_rng_state(checkpoint.get("cp_lightning", {}).get("rng_states"))
+        return checkpoint
+
+
+class FabricContextParallelStrategy(_ContextParallel, FabricDDPStrategy):
+    """The same for Lightning Fabric: ``fabric.setup(model)`` parallelizes and wraps the model."""
+
+    def __init__(self, cp: int, ring: int = 1, *, plan: Mapping | None = None, loss_parallel: bool = False,
+                 kernel: str | None = None, allow_cross_node: bool = False, check_steps: int = 2,
+                 **kwargs: Any) -> None:  # fmt: skip
+        self._init_cp(cp, ring, plan, loss_parallel, kernel, allow_cross_node, check_steps)
+        super().__init__(**kwargs)
+
+    def _configure_launcher(self) -> None:
+        self._validate_layout()
+        super()._configure_launcher()
+
+    def setup_environment(self) -> None:
+        self._validate_layout()
+        super().setup_environment()
+        self._build_mesh_and_seed()
+
+    def setup_module(self, module: nn.Module):
+        self._parallelize(module)
+        ddp = super().setup_module(module)
+        self._register_cp_hook(ddp)
+        return ddp
+
+
+def _register() -> None:
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    if "context_parallel" not in StrategyRegistry:
+        StrategyRegistry.register(
+            "context_parallel",
+            ContextParallelStrategy,
+            description="Ulysses CP over pairs of devices, DDP across",
+            cp=2,
+        )
+
+
+_register()
