@@ -7,6 +7,7 @@ the same global batches (tests/lightning_tasks.py builds both).
 from __future__ import annotations
 
 import copy
+from datetime import timedelta
 
 import lightning as L
 import pytest
@@ -155,3 +156,127 @@ def test_resume_reproduces_the_uninterrupted_losses(tmp_path):
     state = torch.load(ckpt, map_location="cpu", weights_only=False)["state_dict"]
     bare = FlowMatching().transformer
     bare.load_state_dict({k.removeprefix("transformer."): v for k, v in state.items()})
+
+
+def test_accumulated_gradients_match_one_process():
+    torch.manual_seed(0)
+    module = FlowMatching(optimizer="sgd")
+    dataset = Samples(n=16)
+    # 2 micro-batches of 4 per optimizer step = one process on global batches of 8
+    reference = reference_params(module, dataset, 8, 3, clip=None)
+    trainer = L.Trainer(accelerator="cpu", devices=4, strategy=cp(2), max_steps=3, accumulate_grad_batches=2,
+                        logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False)  # fmt: skip
+    trainer.fit(module, DataLoader(dataset, batch_size=2, shuffle=True))
+    params = {n: p.detach() for n, p in module.named_parameters()}
+    assert param_rel_err(params, reference) <= SGD_TOL
+
+
+def test_bf16_mixed_is_no_worse_than_one_process_bf16():
+    torch.manual_seed(0)
+    module = FlowMatching(optimizer="sgd")
+    start = {n: p.detach().clone() for n, p in module.named_parameters()}
+    reference = reference_params(module, Samples(), GLOBAL_BATCH, STEPS, clip=None)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        plain_bf16 = reference_params(module, Samples(), GLOBAL_BATCH, STEPS, clip=None)
+    params = fit(module, cp(2), precision="bf16-mixed")
+    cp_err, plain_err = update_rel_err(params, reference, start), update_rel_err(plain_bf16, reference, start)
+    print(f"bf16-mixed against fp32, relative to the update: CP {cp_err:.2e}, one process {plain_err:.2e}")
+    assert cp_err <= 2 * plain_err, (cp_err, plain_err)
+
+
+def test_a_failing_rank_raises_through_lightnings_launcher():
+    with pytest.raises(Exception, match="deliberate failure at step 2"):
+        fit(FlowMatching(fail_at_step=2, fail_rank=3), cp(2, timeout=timedelta(seconds=30)))
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        (dict(devices=1, strategy=ContextParallelStrategy(cp=2)), "needs cp processes"),
+        (dict(devices=3, strategy=ContextParallelStrategy(cp=2)), "must divide the number of processes"),
+        (dict(devices=2, num_nodes=2, strategy=ContextParallelStrategy(cp=4)), "would span nodes"),
+    ],
+)
+def test_bad_layouts_fail_when_the_trainer_is_built(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        L.Trainer(accelerator="cpu", logger=False, **kwargs)
+
+
+def test_bad_arguments_fail_at_construction():
+    with pytest.raises(ValueError, match="ring=3 must divide cp=4"):
+        ContextParallelStrategy(cp=4, ring=3)
+    with pytest.raises(TypeError, match="cp must be an int"):
+        ContextParallelStrategy(cp="2")
+    with pytest.raises(ValueError, match="unknown or cannot return the log-sum-exp"):
+        ContextParallelStrategy(cp=2, kernel="sdpa")
+
+
+def test_cp_degree_two_across_two_nodes_is_allowed_when_asked():
+    trainer = L.Trainer(accelerator="cpu", logger=False, devices=1, num_nodes=2,
+                        strategy=ContextParallelStrategy(cp=2, allow_cross_node=True))  # fmt: skip
+    assert trainer.strategy.cp == 2
+
+
+class _NoPlanModule(L.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.net = torch.nn.Linear(4, 4)
+
+    def training_step(self, batch, batch_idx):
+        return self.net(batch).sum()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def test_a_model_without_any_plan_fails_at_setup():
+    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=cp(2), max_steps=1, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False)  # fmt: skip
+    with pytest.raises(Exception, match="no submodule of _NoPlanModule has a diffusers `_cp_plan`"):
+        trainer.fit(_NoPlanModule(), DataLoader(torch.randn(8, 4), batch_size=2))
+
+
+def test_mesh_is_a_clear_error_before_setup():
+    with pytest.raises(RuntimeError, match="read it in configure_model"):
+        _ = ContextParallelStrategy(cp=2).device_mesh
+
+
+def _fabric_train(fabric):
+    from torch.utils.data import DistributedSampler
+
+    torch.manual_seed(0)
+    module = FlowMatching(optimizer="sgd")
+    model = fabric.setup(module)
+    model.mark_forward_method("loss")
+    optimizer = fabric.setup_optimizers(module.configure_optimizers())
+    dataset = Samples()
+    sampler = DistributedSampler(dataset, shuffle=True, seed=0, **fabric.strategy.distributed_sampler_kwargs)
+    loader = fabric.setup_dataloaders(DataLoader(dataset, batch_size=2, sampler=sampler), use_distributed_sampler=False)
+    step, epoch = 0, 0
+    while step < STEPS:
+        sampler.set_epoch(epoch)
+        for batch in loader:
+            if step == STEPS:
+                break
+            optimizer.zero_grad()
+            # the loss goes through the wrapped model's forward so DDP's hooks see the step
+            fabric.backward(model.loss(batch)[0])
+            optimizer.step()
+            step += 1
+        epoch += 1
+    params = {n: p.detach() for n, p in module.named_parameters()}
+    # a small result: Lightning's launcher reads it only after the workers exit, through a pipe
+    torch.manual_seed(0)
+    reference = reference_params(FlowMatching(optimizer="sgd"), dataset, GLOBAL_BATCH, STEPS, clip=None, seed=0)
+    return param_rel_err(params, reference)
+
+
+def test_fabric_strategy_matches_one_process():
+    from lightning.fabric import Fabric
+
+    from cp_lightning import FabricContextParallelStrategy
+
+    fabric = Fabric(accelerator="cpu", devices=4, strategy=FabricContextParallelStrategy(cp=2, start_method="spawn"))
+    err = fabric.launch(_fabric_train)
+    assert err <= SGD_TOL, err
