@@ -187,7 +187,7 @@ def test_bf16_mixed_is_no_worse_than_one_process_bf16():
 
 def test_a_failing_rank_raises_through_lightnings_launcher():
     with pytest.raises(Exception, match="deliberate failure at step 2"):
-        fit(FlowMatching(fail_at_step=2, fail_rank=3), cp(2, timeout=timedelta(seconds=30)))
+        fit(FlowMatching(fail_at_step=2, fail_rank=3), cp(2, timeout=timedelta(seconds=10)))
 
 
 @pytest.mark.parametrize(
