@@ -54,6 +54,15 @@ class _ContextParallel:
         self._mesh: DeviceMesh | None = None
 
     # -- layout ---------------------------------------------------------------------------------
+    def _configure_launcher(self) -> None:
+        self._validate_layout()  # at Trainer/Fabric construction, before any process is launched
+        super()._configure_launcher()
+
+    def setup_environment(self) -> None:
+        self._validate_layout()
+        super().setup_environment()
+        self._build_mesh_and_seed()
+
     def _validate_layout(self) -> None:
         """Pure arithmetic on devices and nodes: runs before any process is launched."""
         per_node, nodes = self.num_processes, self.num_nodes
@@ -216,15 +225,6 @@ class ContextParallelStrategy(_ContextParallel, DDPStrategy):
         self._init_cp(cp, ring, plan, loss_parallel, kernel, allow_cross_node, check_steps)
         super().__init__(**kwargs)
 
-    def _configure_launcher(self) -> None:
-        self._validate_layout()
-        super()._configure_launcher()
-
-    def setup_environment(self) -> None:
-        self._validate_layout()
-        super().setup_environment()
-        self._build_mesh_and_seed()
-
     def setup(self, trainer) -> None:
         self._parallelize(self.lightning_module)
         super().setup(trainer)
@@ -253,15 +253,6 @@ class FabricContextParallelStrategy(_ContextParallel, FabricDDPStrategy):
                  **kwargs: Any) -> None:  # fmt: skip
         self._init_cp(cp, ring, plan, loss_parallel, kernel, allow_cross_node, check_steps)
         super().__init__(**kwargs)
-
-    def _configure_launcher(self) -> None:
-        self._validate_layout()
-        super()._configure_launcher()
-
-    def setup_environment(self) -> None:
-        self._validate_layout()
-        super().setup_environment()
-        self._build_mesh_and_seed()
 
     def setup_module(self, module: nn.Module):
         self._parallelize(module)
