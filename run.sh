@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
 # Sets up a virtual environment (first run only) and runs the main job or the tests.
 #
-#   bash run.sh            # the main job: tiny diffusers transformer under CP on CPU, 2 processes
+#   bash run.sh            # the main job: fine-tune a tiny Flux (LoRA) with cp=2 on 2 CPU processes
 #   bash run.sh test       # the test suite
+#   bash run.sh demo       # CP forward/backward of a tiny transformer checked against one process
 #
-# Extra arguments go to the job (cp_lightning.demo) or to pytest. VENV=path picks the environment.
+# Extra arguments go to the job (LightningCLI options, cp_lightning.demo) or to pytest.
+# VENV=path picks the environment.
 set -euo pipefail
 cd "$(dirname "$0")"
 
@@ -32,10 +34,11 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
 fi
 
 export OMP_NUM_THREADS=1
-job=${1:-main}
-[ $# -gt 0 ] && shift
+job=main
+if [ $# -gt 0 ] && [ "${1#-}" = "$1" ]; then job=$1; shift; fi
 case "$job" in
-  main) exec "$VENV/bin/torchrun" --nproc-per-node 2 -m cp_lightning.demo "$@" ;;
+  main) exec "$PY" -m recipes.flux fit --config configs/tiny_flux_cp2.yaml "$@" ;;
+  demo) exec "$VENV/bin/torchrun" --nproc-per-node 2 -m cp_lightning.demo "$@" ;;
   test) exec "$PY" -m pytest "$@" ;;
-  *) echo "usage: bash run.sh [main|test] [args...]" >&2; exit 2 ;;
+  *) echo "usage: bash run.sh [main|test|demo] [args...]" >&2; exit 2 ;;
 esac

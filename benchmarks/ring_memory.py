@@ -93,10 +93,16 @@ def build_model(args):
 
     torch.manual_seed(0)
     return FluxTransformer2DModel(
-        patch_size=1, in_channels=16, num_layers=args.layers, num_single_layers=args.layers,
-        attention_head_dim=args.head_dim, num_attention_heads=args.heads, joint_attention_dim=32,
-        pooled_projection_dim=32, axes_dims_rope=(args.head_dim // 4, 3 * args.head_dim // 8, 3 * args.head_dim // 8),
-    )  # fmt: skip
+        patch_size=1,
+        in_channels=16,
+        num_layers=args.layers,
+        num_single_layers=args.layers,
+        attention_head_dim=args.head_dim,
+        num_attention_heads=args.heads,
+        joint_attention_dim=32,
+        pooled_projection_dim=32,
+        axes_dims_rope=(args.head_dim // 4, 3 * args.head_dim // 8, 3 * args.head_dim // 8),
+    )
 
 
 def _worker(rank, world, mode, args):
@@ -157,14 +163,18 @@ def main(argv=None) -> dict:
         print(f"running {mode} ...", file=sys.stderr, flush=True)
         rows[mode] = run_mode(mode, args)
     base = max(r["peak"] for r in rows.get("ulysses", next(iter(rows.values()))))
-    print(f"\nFlux-architecture, {args.layers}+{args.layers} blocks, {args.heads} heads x {args.head_dim}, "
-          f"batch 1 x ({args.tokens} + {args.text_tokens}) tokens, cp={args.cp}, CPU/gloo, fp32\n")  # fmt: skip
+    print(
+        f"\nFlux-architecture, {args.layers}+{args.layers} blocks, {args.heads} heads x {args.head_dim}, "
+        f"batch 1 x ({args.tokens} + {args.text_tokens}) tokens, cp={args.cp}, CPU/gloo, fp32\n"
+    )
     print("| mode | peak MiB (max over ranks) | vs Ulysses | step s (max) | MiB sent per rank |")
     print("|---|---|---|---|---|")
     for mode, per_rank in rows.items():
         peak = max(r["peak"] for r in per_rank)
-        print(f"| {mode} | {peak / 2**20:.1f} | {peak / base:.2f} | {max(r['time'] for r in per_rank):.2f} | "
-              f"{max(r['sent'] for r in per_rank) / 2**20:.1f} |")  # fmt: skip
+        print(
+            f"| {mode} | {peak / 2**20:.1f} | {peak / base:.2f} | {max(r['time'] for r in per_rank):.2f} | "
+            f"{max(r['sent'] for r in per_rank) / 2**20:.1f} |"
+        )
     return rows
 
 

@@ -95,9 +95,20 @@ def _cuda_efficient_backward(dout, q, k, v, out, lse, bias, scale):
     empty = torch.empty(0, device=q.device)
     expanded = _expand_bias(bias, q, k)
     dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
-        dout.contiguous(), q, k, v, expanded, out, lse.contiguous(), empty, empty, 0.0,
-        [True, True, True, False], False, scale=scale,
-    )  # fmt: skip
+        dout.contiguous(),
+        q,
+        k,
+        v,
+        expanded,
+        out,
+        lse.contiguous(),
+        empty,
+        empty,
+        0.0,
+        [True, True, True, False],
+        False,
+        scale=scale,
+    )
     return dq, dk, dv
 
 

@@ -171,8 +171,15 @@ class _ContextParallel:
             resolve_plan(module, module_plan)
         for _, module, module_plan in targets:
             if parallel_state(module) is None:
-                parallelize(module, mesh=self.device_mesh, ring=self.ring, plan=module_plan, kernel=self.kernel,
-                            loss_parallel=self.loss_parallel, check_steps=self.check_steps)  # fmt: skip
+                parallelize(
+                    module,
+                    mesh=self.device_mesh,
+                    ring=self.ring,
+                    plan=module_plan,
+                    kernel=self.kernel,
+                    loss_parallel=self.loss_parallel,
+                    check_steps=self.check_steps,
+                )
 
     def _register_cp_hook(self, ddp: nn.parallel.DistributedDataParallel) -> None:
         if self.loss_parallel:
@@ -219,9 +226,18 @@ class ContextParallelStrategy(_ContextParallel, DDPStrategy):
 
     strategy_name = "context_parallel"
 
-    def __init__(self, cp: int, ring: int = 1, *, plan: Mapping | None = None, loss_parallel: bool = False,
-                 kernel: str | None = None, allow_cross_node: bool = False, check_steps: int = 2,
-                 **kwargs: Any) -> None:  # fmt: skip
+    def __init__(
+        self,
+        cp: int,
+        ring: int = 1,
+        *,
+        plan: Mapping | None = None,
+        loss_parallel: bool = False,
+        kernel: str | None = None,
+        allow_cross_node: bool = False,
+        check_steps: int = 2,
+        **kwargs: Any,
+    ) -> None:
         self._init_cp(cp, ring, plan, loss_parallel, kernel, allow_cross_node, check_steps)
         super().__init__(**kwargs)
 
@@ -248,9 +264,18 @@ class ContextParallelStrategy(_ContextParallel, DDPStrategy):
 class FabricContextParallelStrategy(_ContextParallel, FabricDDPStrategy):
     """The same for Lightning Fabric: ``fabric.setup(model)`` parallelizes and wraps the model."""
 
-    def __init__(self, cp: int, ring: int = 1, *, plan: Mapping | None = None, loss_parallel: bool = False,
-                 kernel: str | None = None, allow_cross_node: bool = False, check_steps: int = 2,
-                 **kwargs: Any) -> None:  # fmt: skip
+    def __init__(
+        self,
+        cp: int,
+        ring: int = 1,
+        *,
+        plan: Mapping | None = None,
+        loss_parallel: bool = False,
+        kernel: str | None = None,
+        allow_cross_node: bool = False,
+        check_steps: int = 2,
+        **kwargs: Any,
+    ) -> None:
         self._init_cp(cp, ring, plan, loss_parallel, kernel, allow_cross_node, check_steps)
         super().__init__(**kwargs)
 

@@ -44,9 +44,19 @@ class Samples(Dataset):
 
 
 class FlowMatching(L.LightningModule):
-    def __init__(self, optimizer: str = "sgd", lr: float = 0.05, checkpointing: bool = False, lora: bool = False,
-                 noise: str = "sample", record_dir: str | None = None, fail_at_step: int | None = None,
-                 fail_rank: int | None = None, tokens: int = TOKENS, text_tokens: int = TEXT_TOKENS):  # fmt: skip
+    def __init__(
+        self,
+        optimizer: str = "sgd",
+        lr: float = 0.05,
+        checkpointing: bool = False,
+        lora: bool = False,
+        noise: str = "sample",
+        record_dir: str | None = None,
+        fail_at_step: int | None = None,
+        fail_rank: int | None = None,
+        tokens: int = TOKENS,
+        text_tokens: int = TEXT_TOKENS,
+    ):
         super().__init__()
         self.save_hyperparameters()
         self.transformer = tiny_model("flux")
@@ -54,8 +64,11 @@ class FlowMatching(L.LightningModule):
             from peft import LoraConfig
 
             self.transformer.requires_grad_(False)
-            self.transformer.add_adapter(LoraConfig(r=4, lora_alpha=4, init_lora_weights="gaussian",
-                                                    target_modules=["to_q", "to_k", "to_v", "to_out.0"]))  # fmt: skip
+            self.transformer.add_adapter(
+                LoraConfig(
+                    r=4, lora_alpha=4, init_lora_weights="gaussian", target_modules=["to_q", "to_k", "to_v", "to_out.0"]
+                )
+            )
         ids = tiny_inputs("flux", self.transformer, batch=1, tokens=tokens, text_tokens=text_tokens)
         self.register_buffer("img_ids", ids["img_ids"], persistent=False)
         self.register_buffer("txt_ids", ids["txt_ids"], persistent=False)
@@ -75,9 +88,15 @@ class FlowMatching(L.LightningModule):
             noise = batch["noise"]
         t = batch["t"].view(-1, 1, 1)
         xt = (1 - t) * x0 + t * noise
-        pred = self.transformer(hidden_states=xt, encoder_hidden_states=batch["text"],
-                                pooled_projections=batch["pooled"], timestep=batch["t"], img_ids=self.img_ids,
-                                txt_ids=self.txt_ids, return_dict=False)[0]  # fmt: skip
+        pred = self.transformer(
+            hidden_states=xt,
+            encoder_hidden_states=batch["text"],
+            pooled_projections=batch["pooled"],
+            timestep=batch["t"],
+            img_ids=self.img_ids,
+            txt_ids=self.txt_ids,
+            return_dict=False,
+        )[0]
         return F.mse_loss(pred, loss_shard(noise - x0, self.transformer)), noise
 
     def training_step(self, batch, batch_idx):
@@ -92,9 +111,14 @@ class FlowMatching(L.LightningModule):
     def _record(self, loss, noise):
         strategy = self.trainer.strategy
         mean_loss = strategy.reduce(loss.detach(), reduce_op="mean").item()
-        row = {"step": self.global_step, "rank": self.global_rank, "loss": mean_loss,
-               "noise_sum": noise.double().sum().item(), "dp_rank": getattr(strategy, "dp_rank", None),
-               "cp_rank": getattr(strategy, "cp_rank", None)}  # fmt: skip
+        row = {
+            "step": self.global_step,
+            "rank": self.global_rank,
+            "loss": mean_loss,
+            "noise_sum": noise.double().sum().item(),
+            "dp_rank": getattr(strategy, "dp_rank", None),
+            "cp_rank": getattr(strategy, "cp_rank", None),
+        }
         if hasattr(strategy, "device_mesh"):
             row["cp_group"] = strategy.device_mesh["cp"].mesh.tolist()
         path = Path(self.hparams.record_dir) / f"rank{self.global_rank}.jsonl"
@@ -115,8 +139,9 @@ def read_records(record_dir) -> list[dict]:
     return rows
 
 
-def reference_params(module: FlowMatching, dataset: Samples, global_batch: int, steps: int, clip: float | None,
-                     seed: int | None = None) -> dict[str, torch.Tensor]:  # fmt: skip
+def reference_params(
+    module: FlowMatching, dataset: Samples, global_batch: int, steps: int, clip: float | None, seed: int | None = None
+) -> dict[str, torch.Tensor]:
     """Train a copy of ``module`` in one process on the global batches a DistributedSampler makes."""
     module = copy.deepcopy(module)
     module.configure_model()

@@ -66,8 +66,12 @@ CASES = [
     (4, 2, 4, 16, 16, "key_bool"),
     (4, 2, 2, 16, 8, "key_float_heads"),
 ]
-BF16_CASES = [(2, 1, 4, 64, 64, "key_bool"), (2, 2, 2, 64, 64, "key_bool"), (4, 4, 2, 64, 64, "key_bool"),
-              (4, 2, 4, 64, 64, "key_bool")]  # fmt: skip
+BF16_CASES = [
+    (2, 1, 4, 64, 64, "key_bool"),
+    (2, 2, 2, 64, 64, "key_bool"),
+    (4, 4, 2, 64, 64, "key_bool"),
+    (4, 2, 4, 64, 64, "key_bool"),
+]
 
 
 def _case_id(case):

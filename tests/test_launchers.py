@@ -20,9 +20,18 @@ SCRIPT = ROOT / "tests" / "scripts" / "fit_tiny.py"
 
 def torchrun(*args, nproc=4, nnodes=1, node_rank=0, port=None, timeout=300, **popen):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PL_GLOBAL_SEED": "0"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", f"--nnodes={nnodes}",
-           f"--node-rank={node_rank}", "--master-addr=127.0.0.1", f"--master-port={port or free_port()}",
-           str(SCRIPT), *map(str, args)]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nproc-per-node={nproc}",
+        f"--nnodes={nnodes}",
+        f"--node-rank={node_rank}",
+        "--master-addr=127.0.0.1",
+        f"--master-port={port or free_port()}",
+        str(SCRIPT),
+        *map(str, args),
+    ]
     return subprocess.Popen(
         cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **popen
     )

@@ -37,9 +37,18 @@ def _fixed_sampler_seed(monkeypatch):
 def fit(module, strategy, devices=4, steps=STEPS, clip=None, dataset=None, **trainer_kwargs):
     dataset = dataset or Samples()
     dp = devices // (strategy.cp if isinstance(strategy, ContextParallelStrategy) else 1)
-    trainer = L.Trainer(accelerator="cpu", devices=devices, strategy=strategy, max_steps=steps, logger=False,
-                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                        gradient_clip_val=clip, **trainer_kwargs)  # fmt: skip
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=devices,
+        strategy=strategy,
+        max_steps=steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        gradient_clip_val=clip,
+        **trainer_kwargs,
+    )
     trainer.fit(module, DataLoader(dataset, batch_size=GLOBAL_BATCH // dp, shuffle=True))
     return {n: p.detach().clone() for n, p in module.named_parameters()}
 
@@ -107,8 +116,10 @@ def test_adamw_with_active_clipping_is_as_close_as_plain_ddp(case):
         _DDP_BASELINES[lora] = (param_rel_err(ddp_params, reference), update_rel_err(ddp_params, reference, start))
     ddp_err, ddp_upd = _DDP_BASELINES[lora]
     cp_err, cp_upd = param_rel_err(cp_params, reference), update_rel_err(cp_params, reference, start)
-    print(f"AdamW + clipping, {case}: worst parameter CP {cp_err:.2e} vs plain DDP {ddp_err:.2e}; "
-          f"error over the update CP {cp_upd:.2e} vs plain DDP {ddp_upd:.2e}")  # fmt: skip
+    print(
+        f"AdamW + clipping, {case}: worst parameter CP {cp_err:.2e} vs plain DDP {ddp_err:.2e}; "
+        f"error over the update CP {cp_upd:.2e} vs plain DDP {ddp_upd:.2e}"
+    )
     # Over all parameters (2-norm of the error against the 2-norm of the update) CP is as close as DDP; the
     # worst single parameter is dominated by AdamW dividing rounding noise by near-zero second moments,
     # so it is held to the ~2e-4 that plain DDP itself reaches on this workload.
@@ -147,9 +158,18 @@ def test_resume_reproduces_the_uninterrupted_losses(tmp_path):
     def run(record_dir, steps, ckpt_path=None, callbacks=()):
         m = copy.deepcopy(module)
         m.hparams.record_dir = str(record_dir)
-        trainer = L.Trainer(accelerator="cpu", devices=4, strategy=cp(2), max_steps=steps, logger=False,
-                            enable_progress_bar=False, enable_model_summary=False, callbacks=list(callbacks),
-                            enable_checkpointing=bool(callbacks), default_root_dir=str(tmp_path))  # fmt: skip
+        trainer = L.Trainer(
+            accelerator="cpu",
+            devices=4,
+            strategy=cp(2),
+            max_steps=steps,
+            logger=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            callbacks=list(callbacks),
+            enable_checkpointing=bool(callbacks),
+            default_root_dir=str(tmp_path),
+        )
         trainer.fit(m, DataLoader(Samples(), batch_size=2, shuffle=True), ckpt_path=ckpt_path)
 
     run(full, 5)
@@ -177,9 +197,17 @@ def test_accumulated_gradients_match_one_process():
     dataset = Samples(n=16)
     # 2 micro-batches of 4 per optimizer step = one process on global batches of 8
     reference = reference_params(module, dataset, 8, 3, clip=None)
-    trainer = L.Trainer(accelerator="cpu", devices=4, strategy=cp(2), max_steps=3, accumulate_grad_batches=2,
-                        logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                        enable_model_summary=False)  # fmt: skip
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=4,
+        strategy=cp(2),
+        max_steps=3,
+        accumulate_grad_batches=2,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
     trainer.fit(module, DataLoader(dataset, batch_size=2, shuffle=True))
     params = {n: p.detach() for n, p in module.named_parameters()}
     assert param_rel_err(params, reference) <= SGD_TOL
@@ -226,8 +254,13 @@ def test_bad_arguments_fail_at_construction():
 
 
 def test_cp_degree_two_across_two_nodes_is_allowed_when_asked():
-    trainer = L.Trainer(accelerator="cpu", logger=False, devices=1, num_nodes=2,
-                        strategy=ContextParallelStrategy(cp=2, allow_cross_node=True))  # fmt: skip
+    trainer = L.Trainer(
+        accelerator="cpu",
+        logger=False,
+        devices=1,
+        num_nodes=2,
+        strategy=ContextParallelStrategy(cp=2, allow_cross_node=True),
+    )
     assert trainer.strategy.cp == 2
 
 
@@ -244,8 +277,15 @@ class _NoPlanModule(L.LightningModule):
 
 
 def test_a_model_without_any_plan_fails_at_setup():
-    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=cp(2), max_steps=1, logger=False,
-                        enable_checkpointing=False, enable_progress_bar=False)  # fmt: skip
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy=cp(2),
+        max_steps=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+    )
     with pytest.raises(Exception, match="no submodule of _NoPlanModule has a diffusers `_cp_plan`"):
         trainer.fit(_NoPlanModule(), DataLoader(torch.randn(8, 4), batch_size=2))
 

@@ -39,9 +39,17 @@ def main() -> None:
     torch.manual_seed(0)
     module = FlowMatching(record_dir=args.record_dir, fail_at_step=args.fail_at_step, fail_rank=args.fail_rank)
     strategy = ContextParallelStrategy(cp=args.cp, ring=args.ring, timeout=timedelta(seconds=args.timeout))
-    trainer = L.Trainer(accelerator="cpu", devices=args.devices, num_nodes=args.num_nodes, strategy=strategy,
-                        max_steps=args.steps, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                        enable_model_summary=False)  # fmt: skip
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=args.devices,
+        num_nodes=args.num_nodes,
+        strategy=strategy,
+        max_steps=args.steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
     dp = args.devices * args.num_nodes // args.cp
     trainer.fit(module, DataLoader(Samples(), batch_size=args.global_batch // dp, shuffle=True))
     if args.out and trainer.is_global_zero:

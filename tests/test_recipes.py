@@ -1,0 +1,127 @@
+"""The Flux recipe: the embedded default end to end, layout invariance, and bad data."""
+
+from __future__ import annotations
+
+import csv
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+DEFAULT = ROOT / "configs" / "tiny_flux_cp2.yaml"
+
+
+def run_recipe(tmp_path: Path, name: str, *overrides: str, cache: Path | None = None) -> Path:
+    """Run the embedded default config with every output under tmp_path; returns the run folder."""
+    out = tmp_path / name
+    text = DEFAULT.read_text().replace("outputs/tiny_flux_cp2", str(out)).replace("outputs/", f"{cache or tmp_path}/")
+    config = tmp_path / f"{name}.yaml"
+    config.write_text(text)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "recipes.flux", "fit", "--config", str(config), *overrides]
+    result = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return out
+
+
+def losses(run: Path) -> list[float]:
+    with (run / "loss.csv").open() as f:
+        return [float(row["loss"]) for row in csv.DictReader(f)]
+
+
+@pytest.fixture(scope="module")
+def default_run(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("recipe")
+    return run_recipe(tmp, "cp2"), tmp
+
+
+def test_the_embedded_default_learns_and_writes_its_outputs(default_run):
+    run, tmp = default_run
+    curve = losses(run)
+    assert len(curve) == 30 and all(torch.isfinite(torch.tensor(curve)))
+    assert sum(curve[-10:]) / 10 < sum(curve[:10]) / 10, curve
+    assert (run / "loss.png").stat().st_size > 0 and (run / "samples.png").stat().st_size > 0
+
+    from diffusers import FluxPipeline
+
+    pipe = FluxPipeline.from_pretrained(str(tmp / "cache" / "tiny_flux_pipeline"))
+
+    def render():
+        g = torch.Generator().manual_seed(0)
+        return pipe(
+            "a red circle",
+            height=32,
+            width=32,
+            num_inference_steps=2,
+            max_sequence_length=32,
+            generator=g,
+            output_type="pt",
+        ).images
+
+    before = render()
+    pipe.load_lora_weights(str(run / "lora"))  # the diffusers LoRA format
+    after = render()
+    assert (after - before).abs().max() > 1e-4  # the trained adapter changes the output
+
+
+def test_cp1_and_cp2_give_the_same_first_losses(default_run, tmp_path):
+    run, tmp = default_run
+    single = run_recipe(
+        tmp_path, "cp1", "--trainer.strategy=auto", "--trainer.devices=1", "--trainer.max_steps=3", cache=tmp
+    )
+    assert losses(single) == pytest.approx(losses(run)[:3], abs=1e-4)
+
+
+def _folder(tmp_path, rows, images=("0.png",)):
+    from PIL import Image
+
+    folder = tmp_path / "images"
+    folder.mkdir(parents=True)
+    for name in images:
+        Image.new("RGB", (8, 8), "red").save(folder / name)
+    import json
+
+    (folder / "metadata.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return folder
+
+
+def test_bad_data_errors_name_the_file(tmp_path):
+    from recipes.data import read_items
+
+    with pytest.raises(ValueError, match="0.png has no caption"):
+        read_items(_folder(tmp_path / "a", [{"file_name": "0.png"}]))
+    broken = _folder(tmp_path / "b", [{"file_name": "0.png", "text": "x"}, {"file_name": "1.png", "text": "y"}])
+    (broken / "1.png").write_bytes(b"not a png")
+    with pytest.raises(ValueError, match="cannot read image .*1.png"):
+        read_items(broken)
+    with pytest.raises(ValueError, match="is empty"):
+        read_items(_folder(tmp_path / "c", [], images=()))
+    with pytest.raises(ValueError, match="not an image folder"):
+        read_items(tmp_path / "missing")
+
+
+def test_prepare_checks_the_resolution_and_never_leaves_a_partial_cache(tmp_path, monkeypatch):
+    import datasets
+
+    from recipes.data import make_shapes, prepare
+    from recipes.flux_components import load_pipeline
+
+    pipe = load_pipeline("tiny", tmp_path)
+    images = make_shapes(tmp_path / "shapes", 4, size=32)
+    with pytest.raises(ValueError, match="resolution 30 does not fit the model"):
+        prepare(images, tmp_path / "cache", pipe, resolution=30, max_sequence_length=32)
+
+    def interrupted(self, *args, **kwargs):
+        raise KeyboardInterrupt
+
+    with monkeypatch.context() as m:
+        m.setattr(datasets.Dataset, "save_to_disk", interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            prepare(images, tmp_path / "cache", pipe, resolution=32, max_sequence_length=32)
+    assert not (tmp_path / "cache").exists()  # nothing under the cache's name
+    prepare(images, tmp_path / "cache", pipe, resolution=32, max_sequence_length=32)  # a rerun just works
+    assert len(datasets.load_from_disk(str(tmp_path / "cache"))) == 4
