@@ -35,6 +35,8 @@ class FluxFineTune(L.LightningModule):
         guidance_scale: value fed to Flux's guidance embedding (for guidance-distilled checkpoints).
         timestep_sampling: ``logit_normal`` (SD3/Flux practice) or ``uniform``.
         gradient_checkpointing: recompute each block in backward.
+        weights_dtype: dtype the (frozen) weights load in, e.g. ``bfloat16`` for LoRA on large models;
+            trainable parameters are kept in float32.
         seed: seeds LoRA initialisation and the per-sample noise.
     """
 
@@ -47,11 +49,14 @@ class FluxFineTune(L.LightningModule):
         guidance_scale: float = 1.0,
         timestep_sampling: str = "logit_normal",
         gradient_checkpointing: bool = False,
+        weights_dtype: str = "float32",
         seed: int = 0,
     ):
         super().__init__()
         if timestep_sampling not in ("logit_normal", "uniform"):
             raise ValueError(f"timestep_sampling must be 'logit_normal' or 'uniform', got {timestep_sampling!r}.")
+        if not isinstance(getattr(torch, weights_dtype, None), torch.dtype):
+            raise ValueError(f"weights_dtype must name a torch dtype such as 'bfloat16', got {weights_dtype!r}.")
         if lora_rank < 0:
             raise ValueError(f"lora_rank must be >= 0 (0: full fine-tuning), got {lora_rank}.")
         self.save_hyperparameters()
@@ -61,7 +66,7 @@ class FluxFineTune(L.LightningModule):
         if self.transformer is not None:
             return
         h = self.hparams
-        transformer = load_transformer(h.pretrained, h.cache_dir)
+        transformer = load_transformer(h.pretrained, h.cache_dir, torch_dtype=getattr(torch, h.weights_dtype))
         if h.lora_rank:
             from peft import LoraConfig
 
@@ -73,6 +78,9 @@ class FluxFineTune(L.LightningModule):
                         r=h.lora_rank, lora_alpha=h.lora_rank, init_lora_weights="gaussian", target_modules=LORA_TARGETS
                     )
                 )
+        for p in transformer.parameters():
+            if p.requires_grad:
+                p.data = p.data.float()  # trainable weights (and so their AdamW state) in fp32
         if h.gradient_checkpointing:
             transformer.enable_gradient_checkpointing()
         self.transformer = transformer
