@@ -43,76 +43,110 @@ class LossCurve(L.Callback):
         plt.close(fig)
 
 
-class ExportFlux(L.Callback):
+class Export(L.Callback):
     """On rank 0 at the end of training: save the LoRA weights in the diffusers format (or the full
-    transformer), then render ``samples.png`` with the real FluxPipeline loaded from those files."""
+    transformer), then render ``samples.png`` with the family's real diffusers pipeline loaded from
+    those files (one row per prompt; a video row shows its frames)."""
+
+    family = ""
 
     def __init__(
         self,
         out_dir: str = "outputs/run",
         prompts: list[str] | None = None,
         resolution: int = 32,
+        width: int | None = None,
         num_inference_steps: int = 8,
         max_sequence_length: int = 32,
+        num_frames: int = 1,
         seed: int = 0,
     ):
         self.out_dir = Path(out_dir)
         self.prompts = prompts or ["a red circle", "a blue square", "a green triangle", "a yellow circle"]
-        self.resolution, self.steps, self.max_sequence_length, self.seed = (
-            resolution,
+        self.height, self.width = resolution, width or resolution
+        self.steps, self.max_sequence_length, self.num_frames, self.seed = (
             num_inference_steps,
             max_sequence_length,
+            num_frames,
             seed,
         )
 
     def on_train_end(self, trainer, pl_module):
         if not trainer.is_global_zero:
             return
-        from diffusers import FluxPipeline
         from peft.utils import get_peft_model_state_dict
 
-        from recipes.flux_components import load_pipeline
+        from recipes.components import load_pipeline
 
         h = pl_module.hparams
         self.out_dir.mkdir(parents=True, exist_ok=True)
-        pipeline = load_pipeline(h.pretrained, h.cache_dir)
+        pipeline = load_pipeline(self.family, h.pretrained, h.cache_dir)
         if h.lora_rank:
             lora_dir = self.out_dir / "lora"
             state = get_peft_model_state_dict(pl_module.transformer)
-            FluxPipeline.save_lora_weights(lora_dir, transformer_lora_layers=state, safe_serialization=True)
+            type(pipeline).save_lora_weights(lora_dir, transformer_lora_layers=state, safe_serialization=True)
             pipeline.load_lora_weights(lora_dir)
         else:
             pl_module.transformer.save_pretrained(self.out_dir / "transformer")
             pipeline.transformer.load_state_dict(pl_module.transformer.state_dict())
-        self.render(pipeline, self.out_dir / "samples.png")
+        with torch.no_grad():
+            rows = self.render(pipeline)
+        save_grid(rows, self.prompts, self.out_dir / "samples.png")
 
-    @torch.no_grad()
-    def render(self, pipeline, path: Path) -> None:
+    def render(self, pipeline) -> list[list]:
+        raise NotImplementedError
+
+
+class ExportFlux(Export):
+    __doc__ = Export.__doc__
+    family = "flux"
+
+    def render(self, pipeline):
         generator = torch.Generator().manual_seed(self.seed)
+        guidance = 3.5 if pipeline.transformer.config.guidance_embeds else 1.0
         images = pipeline(
             self.prompts,
-            height=self.resolution,
-            width=self.resolution,
+            height=self.height,
+            width=self.width,
             num_inference_steps=self.steps,
-            guidance_scale=pl_guidance(pipeline),
+            guidance_scale=guidance,
             max_sequence_length=self.max_sequence_length,
             generator=generator,
         ).images
-        save_grid(images, self.prompts, path)
+        return [[image] for image in images]
 
 
-def pl_guidance(pipeline) -> float:
-    return 3.5 if pipeline.transformer.config.guidance_embeds else 1.0
+class ExportWan(Export):
+    __doc__ = Export.__doc__
+    family = "wan"
+
+    def render(self, pipeline):
+        generator = torch.Generator().manual_seed(self.seed)
+        videos = pipeline(
+            self.prompts,
+            height=self.height,
+            width=self.width,
+            num_frames=self.num_frames,
+            num_inference_steps=self.steps,
+            guidance_scale=1.0,
+            max_sequence_length=self.max_sequence_length,
+            generator=generator,
+            output_type="pil",
+        ).frames
+        return [list(frames) for frames in videos]
 
 
-def save_grid(images, captions, path: Path, scale: int = 4) -> None:
+def save_grid(rows, captions, path: Path, scale: int = 4) -> None:
+    """One row per caption: its images (or video frames) side by side, the caption underneath."""
     from PIL import Image, ImageDraw
 
-    w, h = images[0].size
+    w, h = rows[0][0].size
+    columns = max(len(row) for row in rows)
     cell_w, cell_h = w * scale, h * scale + 14
-    grid = Image.new("RGB", (cell_w * len(images), cell_h), "white")
+    grid = Image.new("RGB", (cell_w * columns, cell_h * len(rows)), "white")
     draw = ImageDraw.Draw(grid)
-    for i, (image, caption) in enumerate(zip(images, captions, strict=True)):
-        grid.paste(image.resize((w * scale, h * scale), Image.NEAREST), (i * cell_w, 0))
-        draw.text((i * cell_w + 2, h * scale + 1), caption, fill="black")
+    for r, (row, caption) in enumerate(zip(rows, captions, strict=True)):
+        for c, image in enumerate(row):
+            grid.paste(image.resize((w * scale, h * scale), Image.NEAREST), (c * cell_w, r * cell_h))
+        draw.text((2, r * cell_h + h * scale + 1), caption, fill="black")
     grid.save(path)

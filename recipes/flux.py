@@ -18,10 +18,43 @@ import torch.nn.functional as F
 from lightning.pytorch.cli import LightningCLI
 
 from cp_lightning import loss_shard
+from recipes.components import load_transformer
 from recipes.data import FluxData
-from recipes.flux_components import load_transformer
 
 LORA_TARGETS = ["to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out"]
+
+
+def prepare_for_training(transformer, lora_rank: int, targets: list[str], seed: int, checkpointing: bool):
+    """Add a LoRA adapter (``lora_rank > 0``, base frozen) with a layout-independent init; trainable
+    weights in fp32; optional gradient checkpointing."""
+    if lora_rank:
+        from peft import LoraConfig
+
+        transformer.requires_grad_(False)
+        with torch.random.fork_rng():  # the same adapter init at every layout
+            torch.manual_seed(seed)
+            transformer.add_adapter(
+                LoraConfig(r=lora_rank, lora_alpha=lora_rank, init_lora_weights="gaussian", target_modules=targets)
+            )
+    for p in transformer.parameters():
+        if p.requires_grad:
+            p.data = p.data.float()  # trainable weights (and so their AdamW state) in fp32
+    if checkpointing:
+        transformer.enable_gradient_checkpointing()
+    return transformer
+
+
+def per_sample_noise(latents: torch.Tensor, index: torch.Tensor, seed: int, epoch: int, sampling: str):
+    """Noise and flow-matching times t in (0, 1) per sample, from a generator seeded by (seed, epoch,
+    sample index): the same draws whatever the dp x cp layout or batch composition."""
+    noise, t = torch.empty_like(latents), torch.empty(latents.shape[0], dtype=latents.dtype)
+    for i, item in enumerate(index.tolist()):
+        g = torch.Generator().manual_seed(seed * 1_000_003 + epoch * 100_003 + item)
+        noise[i] = torch.randn(latents.shape[1:], generator=g, dtype=latents.dtype)
+        t[i] = (
+            torch.sigmoid(torch.randn((), generator=g)) if sampling == "logit_normal" else torch.rand((), generator=g)
+        )
+    return noise, t.to(latents.device)
 
 
 class FluxFineTune(L.LightningModule):
@@ -66,40 +99,19 @@ class FluxFineTune(L.LightningModule):
         if self.transformer is not None:
             return
         h = self.hparams
-        transformer = load_transformer(h.pretrained, h.cache_dir, torch_dtype=getattr(torch, h.weights_dtype))
-        if h.lora_rank:
-            from peft import LoraConfig
-
-            transformer.requires_grad_(False)
-            with torch.random.fork_rng():  # the same adapter init at every layout
-                torch.manual_seed(h.seed)
-                transformer.add_adapter(
-                    LoraConfig(
-                        r=h.lora_rank, lora_alpha=h.lora_rank, init_lora_weights="gaussian", target_modules=LORA_TARGETS
-                    )
-                )
-        for p in transformer.parameters():
-            if p.requires_grad:
-                p.data = p.data.float()  # trainable weights (and so their AdamW state) in fp32
-        if h.gradient_checkpointing:
-            transformer.enable_gradient_checkpointing()
-        self.transformer = transformer
-
-    def _noise_and_t(self, latents: torch.Tensor, index: torch.Tensor):
-        noise, t = torch.empty_like(latents), torch.empty(latents.shape[0], dtype=latents.dtype)
-        for i, item in enumerate(index.tolist()):
-            g = torch.Generator().manual_seed(self.hparams.seed * 1_000_003 + self.current_epoch * 100_003 + item)
-            noise[i] = torch.randn(latents.shape[1:], generator=g, dtype=latents.dtype)
-            u = torch.randn((), generator=g) if self.hparams.timestep_sampling == "logit_normal" else None
-            t[i] = torch.sigmoid(u) if u is not None else torch.rand((), generator=g)
-        return noise, t.to(latents.device)
+        transformer = load_transformer("flux", h.pretrained, h.cache_dir, torch_dtype=getattr(torch, h.weights_dtype))
+        self.transformer = prepare_for_training(
+            transformer, h.lora_rank, LORA_TARGETS, h.seed, h.gradient_checkpointing
+        )
 
     def training_step(self, batch, batch_idx):
         from diffusers import FluxPipeline
 
         x0 = batch["latents"]  # B, C, h, w
         b, c, h, w = x0.shape
-        noise, t = self._noise_and_t(x0, batch["index"])
+        noise, t = per_sample_noise(
+            x0, batch["index"], self.hparams.seed, self.current_epoch, self.hparams.timestep_sampling
+        )
         xt = (1 - t.view(-1, 1, 1, 1)) * x0 + t.view(-1, 1, 1, 1) * noise
         # B, C, h, w -> B, (h/2)(w/2), 4C: Flux's 2x2 packed latent tokens
         packed = FluxPipeline._pack_latents(xt, b, c, h, w)

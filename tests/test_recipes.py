@@ -12,17 +12,17 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-DEFAULT = ROOT / "configs" / "tiny_flux_cp2.yaml"
 
 
-def run_recipe(tmp_path: Path, name: str, *overrides: str, cache: Path | None = None) -> Path:
-    """Run the embedded default config with every output under tmp_path; returns the run folder."""
+def run_recipe(tmp_path: Path, name: str, *overrides: str, cache: Path | None = None, recipe: str = "flux") -> Path:
+    """Run a tiny config with every output under tmp_path; returns the run folder."""
     out = tmp_path / name
-    text = DEFAULT.read_text().replace("outputs/tiny_flux_cp2", str(out)).replace("outputs/", f"{cache or tmp_path}/")
+    default = ROOT / "configs" / f"tiny_{recipe}_cp2.yaml"
+    text = default.read_text().replace(f"outputs/tiny_{recipe}_cp2", str(out))
     config = tmp_path / f"{name}.yaml"
-    config.write_text(text)
+    config.write_text(text.replace("outputs/", f"{cache or tmp_path}/"))
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "recipes.flux", "fit", "--config", str(config), *overrides]
+    cmd = [sys.executable, "-m", f"recipes.{recipe}", "fit", "--config", str(config), *overrides]
     result = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return out
@@ -76,6 +76,35 @@ def test_cp1_and_cp2_give_the_same_first_losses(default_run, tmp_path):
     assert losses(single) == pytest.approx(losses(run)[:3], abs=1e-4)
 
 
+def test_the_tiny_wan_recipe_learns_and_its_lora_loads(tmp_path):
+    run = run_recipe(tmp_path, "wan", recipe="wan")
+    curve = losses(run)
+    assert len(curve) == 30 and sum(curve[-10:]) / 10 < sum(curve[:10]) / 10, curve
+    assert (run / "samples.png").stat().st_size > 0
+
+    from diffusers import WanPipeline
+
+    pipe = WanPipeline.from_pretrained(str(tmp_path / "cache" / "tiny_wan_pipeline"))
+
+    def render():
+        g = torch.Generator().manual_seed(0)
+        return pipe(
+            "a red circle moving right",
+            height=32,
+            width=32,
+            num_frames=5,
+            num_inference_steps=2,
+            max_sequence_length=32,
+            guidance_scale=1.0,
+            generator=g,
+            output_type="pt",
+        ).frames
+
+    before = render()
+    pipe.load_lora_weights(str(run / "lora"))
+    assert (render() - before).abs().max() > 1e-4
+
+
 def _folder(tmp_path, rows, images=("0.png",)):
     from PIL import Image
 
@@ -107,13 +136,14 @@ def test_bad_data_errors_name_the_file(tmp_path):
 def test_prepare_checks_the_resolution_and_never_leaves_a_partial_cache(tmp_path, monkeypatch):
     import datasets
 
-    from recipes.data import make_shapes, prepare
-    from recipes.flux_components import load_pipeline
+    from recipes.components import load_pipeline
+    from recipes.data import flux_encoder, make_shapes, prepare
 
-    pipe = load_pipeline("tiny", tmp_path)
+    pipe = load_pipeline("flux", "tiny", tmp_path)
     images = make_shapes(tmp_path / "shapes", 4, size=32)
+    encode = flux_encoder(pipe, max_sequence_length=32)
     with pytest.raises(ValueError, match="resolution 30 does not fit the model"):
-        prepare(images, tmp_path / "cache", pipe, resolution=30, max_sequence_length=32)
+        prepare(images, tmp_path / "cache", encode, resolution=30, multiple=4)
 
     def interrupted(self, *args, **kwargs):
         raise KeyboardInterrupt
@@ -121,7 +151,7 @@ def test_prepare_checks_the_resolution_and_never_leaves_a_partial_cache(tmp_path
     with monkeypatch.context() as m:
         m.setattr(datasets.Dataset, "save_to_disk", interrupted)
         with pytest.raises(KeyboardInterrupt):
-            prepare(images, tmp_path / "cache", pipe, resolution=32, max_sequence_length=32)
+            prepare(images, tmp_path / "cache", encode, resolution=32, multiple=4)
     assert not (tmp_path / "cache").exists()  # nothing under the cache's name
-    prepare(images, tmp_path / "cache", pipe, resolution=32, max_sequence_length=32)  # a rerun just works
+    prepare(images, tmp_path / "cache", encode, resolution=32, multiple=4)  # a rerun just works
     assert len(datasets.load_from_disk(str(tmp_path / "cache"))) == 4

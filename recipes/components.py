@@ -1,0 +1,149 @@
+"""Pipeline components: real ones from a checkpoint, or tiny random-init ones built from configs.
+
+``load_pipeline(family, "tiny", cache_dir)`` builds a tiny pipeline of that family (Flux: transformer,
+VAE, CLIP and T5 text encoders; Wan: transformer, Wan VAE, UMT5 encoder; both with ByT5's byte
+tokenizer, which needs no vocabulary download) once, with a fixed seed, saves it under ``cache_dir``
+and loads it back with ``from_pretrained``: the recipes take one code path for tiny and real checkpoints.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+TINY = "tiny"
+TOKEN_LENGTH = 32  # text tokens of the tiny pipeline
+
+
+def build_tiny_pipeline(seed: int = 0):
+    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
+    from transformers import ByT5Tokenizer, CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel
+
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        tokenizer = ByT5Tokenizer(model_max_length=TOKEN_LENGTH)
+        clip = CLIPTextModel(
+            CLIPTextConfig(
+                vocab_size=384,
+                hidden_size=32,
+                intermediate_size=64,
+                num_hidden_layers=1,
+                num_attention_heads=2,
+                max_position_embeddings=TOKEN_LENGTH,
+                projection_dim=32,
+                bos_token_id=0,
+                eos_token_id=1,
+                pad_token_id=0,
+            )
+        )
+        t5 = T5EncoderModel(T5Config(vocab_size=384, d_model=32, d_ff=64, d_kv=8, num_layers=1, num_heads=4))
+        vae = AutoencoderKL(
+            in_channels=3,
+            out_channels=3,
+            down_block_types=["DownEncoderBlock2D"] * 2,
+            up_block_types=["UpDecoderBlock2D"] * 2,
+            block_out_channels=[16, 32],
+            layers_per_block=1,
+            latent_channels=4,
+            norm_num_groups=8,
+            sample_size=32,
+            shift_factor=0.0,
+            scaling_factor=1.0,
+        )
+        transformer = FluxTransformer2DModel(
+            patch_size=1,
+            in_channels=16,
+            num_layers=2,
+            num_single_layers=2,
+            attention_head_dim=16,
+            num_attention_heads=4,
+            joint_attention_dim=32,
+            pooled_projection_dim=32,
+            axes_dims_rope=(4, 6, 6),
+            guidance_embeds=True,
+        )
+    return FluxPipeline(
+        scheduler=FlowMatchEulerDiscreteScheduler(shift=1.0),
+        vae=vae,
+        text_encoder=clip,
+        tokenizer=tokenizer,
+        text_encoder_2=t5,
+        tokenizer_2=tokenizer,
+        transformer=transformer,
+    )
+
+
+def build_tiny_wan_pipeline(seed: int = 0):
+    from diffusers import AutoencoderKLWan, FlowMatchEulerDiscreteScheduler, WanPipeline, WanTransformer3DModel
+    from transformers import ByT5Tokenizer, UMT5Config, UMT5EncoderModel
+
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        tokenizer = ByT5Tokenizer(model_max_length=TOKEN_LENGTH)
+        text_encoder = UMT5EncoderModel(
+            UMT5Config(vocab_size=384, d_model=32, d_ff=64, d_kv=8, num_layers=1, num_heads=4)
+        )
+        # 2x spatial, no temporal downsampling: small clips stay long enough to split across ranks
+        vae = AutoencoderKLWan(
+            base_dim=8,
+            z_dim=4,
+            dim_mult=[1, 1],
+            num_res_blocks=1,
+            temperal_downsample=[False],
+            latents_mean=[0.0] * 4,
+            latents_std=[1.0] * 4,
+            scale_factor_spatial=2,
+            scale_factor_temporal=1,
+        )
+        transformer = WanTransformer3DModel(
+            patch_size=(1, 2, 2),
+            num_attention_heads=4,
+            attention_head_dim=12,
+            in_channels=4,
+            out_channels=4,
+            text_dim=32,
+            freq_dim=16,
+            ffn_dim=64,
+            num_layers=2,
+            rope_max_seq_len=64,
+        )
+    return WanPipeline(
+        tokenizer=tokenizer,
+        text_encoder=text_encoder,
+        vae=vae,
+        transformer=transformer,
+        scheduler=FlowMatchEulerDiscreteScheduler(shift=1.0),
+    )
+
+
+FAMILIES = {
+    "flux": ("FluxPipeline", "FluxTransformer2DModel", build_tiny_pipeline),
+    "wan": ("WanPipeline", "WanTransformer3DModel", build_tiny_wan_pipeline),
+}
+
+
+def resolve_pretrained(family: str, pretrained: str, cache_dir: str | Path) -> str:
+    """A path or hub id to load from; ``"tiny"`` is built once into ``cache_dir``."""
+    if pretrained != TINY:
+        return pretrained
+    path = Path(cache_dir) / f"tiny_{family}_pipeline"
+    if not (path / "model_index.json").exists():
+        tmp = path.with_name(path.name + ".tmp")
+        FAMILIES[family][2]().save_pretrained(tmp)
+        tmp.rename(path)  # atomic: an interrupted build leaves no half pipeline behind
+    return str(path)
+
+
+def load_pipeline(family: str, pretrained: str, cache_dir: str | Path, **kwargs):
+    import diffusers
+
+    cls = getattr(diffusers, FAMILIES[family][0])
+    return cls.from_pretrained(resolve_pretrained(family, pretrained, cache_dir), **kwargs)
+
+
+def load_transformer(family: str, pretrained: str, cache_dir: str | Path, **kwargs):
+    import diffusers
+
+    cls = getattr(diffusers, FAMILIES[family][1])
+    return cls.from_pretrained(resolve_pretrained(family, pretrained, cache_dir), subfolder="transformer", **kwargs)
