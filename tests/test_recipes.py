@@ -155,3 +155,32 @@ def test_prepare_checks_the_resolution_and_never_leaves_a_partial_cache(tmp_path
     assert not (tmp_path / "cache").exists()  # nothing under the cache's name
     prepare(images, tmp_path / "cache", encode, resolution=32, multiple=4)  # a rerun just works
     assert len(datasets.load_from_disk(str(tmp_path / "cache"))) == 4
+
+
+def test_full_fine_tuning_saves_a_loadable_transformer(default_run, tmp_path):
+    _, tmp = default_run
+    run = run_recipe(tmp_path, "full", "--model.lora_rank=0", "--trainer.max_steps=2", cache=tmp)
+    from diffusers import FluxTransformer2DModel
+
+    trained = FluxTransformer2DModel.from_pretrained(str(run / "transformer"))
+    base = FluxTransformer2DModel.from_pretrained(str(tmp / "cache" / "tiny_flux_pipeline"), subfolder="transformer")
+    moved = max((a - b).abs().max().item() for a, b in zip(trained.parameters(), base.parameters(), strict=True))
+    assert moved > 0 and (run / "samples.png").exists()
+
+
+def test_a_dataset_saved_on_disk_is_read_like_a_folder(tmp_path):
+    import datasets
+    from PIL import Image
+
+    from recipes.data import read_items
+
+    images = [Image.new("RGB", (8, 8), colour) for colour in ("red", "blue")]
+    datasets.Dataset.from_dict({"image": images, "text": ["a red square", "a blue square"]}).save_to_disk(
+        str(tmp_path / "saved")
+    )
+    items = read_items(tmp_path / "saved")
+    assert [caption for _, _, caption in items] == ["a red square", "a blue square"]
+    assert items[0][1][0].size == (8, 8)
+    datasets.Dataset.from_dict({"image": images, "text": ["a red square", ""]}).save_to_disk(str(tmp_path / "bad"))
+    with pytest.raises(ValueError, match=r"item 1 of the dataset .* has no caption"):
+        read_items(tmp_path / "bad")
