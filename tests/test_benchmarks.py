@@ -17,3 +17,63 @@ def test_ring_memory_benchmark_runs_every_mode(capsys):
             assert figures["peak"] >= 0 and figures["time"] > 0 and figures["sent"] > 0, (mode, figures)
     table = capsys.readouterr().out
     assert "| ulysses |" in table and "| ring |" in table and "| allgather |" in table
+
+
+TINY = ["--tokens", "256", "--text-tokens", "16", "--layers", "1", "--repeats", "1"]
+
+
+def test_scaling_benchmark_rows_bytes_and_plot(capsys, tmp_path):
+    from benchmarks import scaling
+
+    out = scaling.main(["--cps", "1", "2", "--modes", "ring", "--plot", str(tmp_path / "scaling.png"), *TINY])
+    rows = out["rows"]
+    assert [(r["cp"], r["mode"], r["ring"]) for r in rows] == [(1, "none", 1), (2, "ring", 2)]
+    for row in rows:
+        assert row["peak"] > 0 and row["time"] > 0, row
+    assert rows[0]["sent"] == 0
+    assert abs(rows[1]["sent"] - rows[1]["formula"]) <= 0.05 * rows[1]["formula"], rows[1]
+    assert (tmp_path / "scaling.png").stat().st_size > 0
+    table = capsys.readouterr().out
+    assert "| 1 | none | 1 | 1 x 2 |" in table and "| 2 | ring | 2 | 2 x 1 |" in table
+
+
+def test_scaling_formulas_match_the_byte_test():
+    from benchmarks.common import formula_bytes
+
+    # one layer of attention, no output gather: the per-layer figures tests/test_comm_bytes.py checks
+    m = 2 * (64 // 4) * 4 * 8 * 4
+    kw = dict(cp=4, tokens=128, text_tokens=0, heads=4, head_dim=8, attention_layers=1, out_channels=0)
+    assert formula_bytes("ulysses", ring=1, **kw) == 2 * 4 * m * 3 / 4  # 4 all-to-alls each way
+    assert formula_bytes("ring", ring=4, **kw) == 2 * m * 3 + 2 * m * 3 + 2 * m * 4
+    assert formula_bytes("usp", ring=2, **kw) == 2 * 4 * m / 2 + 2 * m + 2 * m + 2 * m * 2
+
+
+def test_diffusers_head_to_head_runs_both_implementations(capsys):
+    from benchmarks import diffusers_cp
+
+    out = diffusers_cp.main(["--cps", "2", "--one-group", *TINY])
+    rows = {(r["impl"], r["mode"]): r for r in out["rows"]}
+    assert set(rows) == {(i, m) for i in ("cp_lightning", "diffusers") for m in ("ulysses", "ring")}
+    for key, row in rows.items():
+        assert row["cp"] == 2 and row["peak"] > 0 and row["time"] > 0 and row["sent"] > 0, (key, row)
+    # same Ulysses algorithm, same tensors: the same bytes
+    ours, theirs = rows["cp_lightning", "ulysses"]["sent"], rows["diffusers", "ulysses"]["sent"]
+    assert abs(ours - theirs) <= 0.05 * theirs, (ours, theirs)
+    table = capsys.readouterr().out
+    assert "| 2 | ring | diffusers |" in table and "| 2 | ulysses | cp_lightning |" in table
+
+
+def test_max_sequence_brackets_the_budget(capsys):
+    from benchmarks import max_sequence
+
+    budget_mib = 6
+    out = max_sequence.main(
+        ["--cps", "2", "--budget-mib", str(budget_mib), "--start", "128", "--granularity", "64"]
+        + ["--text-tokens", "16", "--layers", "1"]
+    )
+    (row,) = out["rows"]
+    assert row["cp"] == 2 and row["tokens"] > 0 and 0 < row["peak"] <= budget_mib * 2**20, row
+    # the search saw a larger count that did not fit, within one granularity step
+    over = [tokens for tokens, peak, _ in row["probes"] if peak > budget_mib * 2**20]
+    assert over and 0 < min(over) - row["tokens"] <= 64, row["probes"]
+    assert "| 2 | ulysses |" in capsys.readouterr().out
