@@ -186,6 +186,11 @@ def init_torchrun(threads: int | None) -> None:
         dist.init_process_group("nccl", timeout=timedelta(minutes=30))
     else:
         dist.init_process_group("gloo", timeout=timedelta(minutes=30))
+        if os.environ.get("MALLOC_MMAP_THRESHOLD_") != MMAP_THRESHOLD and dist.get_rank() == 0:
+            print(
+                f"warning: launch with MALLOC_MMAP_THRESHOLD_={MMAP_THRESHOLD} torchrun ... for honest CPU peaks",
+                file=sys.stderr,
+            )
 
 
 def launch(worker: Callable, world: int, *args, threads: int = 1, timeout: float = 1800) -> list:

@@ -264,7 +264,9 @@ def main(argv=None) -> dict:
         cp = dist.get_world_size()
         for variant in variants(args):
             rows.append(_row(cp, variant, common.gather_results(_run(cp, variant, args))))
-        if dist.get_rank() != 0:
+        rank = dist.get_rank()
+        dist.destroy_process_group()
+        if rank != 0:
             return {"rows": rows}
     else:
         for cp in args.cps:

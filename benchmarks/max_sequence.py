@@ -58,8 +58,8 @@ def search(model, args, dev: torch.device, cp: int) -> dict:
         return round_down(t2 + (budget - p2) / slope * 1.05)  # aim a little past the budget to bracket it
 
     # warm-up at the first probe's size: one-time allocations (thread pools, kernels) are not the step's
-    _probe(model, args.start * cp, args, dev)
-    lo, hi, tokens = 0, None, args.start * cp
+    _probe(model, args.first_probe * cp, args, dev)
+    lo, hi, tokens = 0, None, args.first_probe * cp
     while hi is None or lo == 0:  # bracket: lo fits, hi does not
         if fits(tokens):
             lo, tokens = tokens, max(tokens + g, extrapolate())
@@ -122,7 +122,7 @@ def parse(argv=None):
     parser.add_argument("--cps", type=int, nargs="+", default=[1, 2, 4])
     parser.add_argument("--modes", nargs="+", choices=MODES, default=["ulysses"])
     parser.add_argument("--budget-mib", type=float, default=128)
-    parser.add_argument("--start", type=int, default=1024, help="first probe: this many tokens per rank")
+    parser.add_argument("--first-probe", type=int, default=1024, help="first probe: this many tokens per rank")
     parser.add_argument("--granularity", type=int, default=256)
     parser.add_argument("--text-tokens", type=int, default=256)
     parser.add_argument("--layers", type=int, default=2, help="double- and single-stream blocks each")
@@ -131,8 +131,8 @@ def parse(argv=None):
     parser.add_argument("--threads", type=int, default=2, help="CPU threads shared by a configuration's processes")
     parser.add_argument("--timeout", type=float, default=1800)
     args = parser.parse_args(argv)
-    if args.granularity % 4 or args.start % args.granularity:
-        parser.error("--granularity must be a multiple of 4 and divide --start")
+    if args.granularity % 4 or args.first_probe % args.granularity:
+        parser.error("--granularity must be a multiple of 4 and divide --first-probe")
     return args
 
 
@@ -146,7 +146,9 @@ def main(argv=None) -> dict:
             model, dev = _setup(world, mode, args)
             rows.append({"cp": world, "mode": mode, **search(model, args, dev, world)})
             del model
-        if dist.get_rank() != 0:
+        rank = dist.get_rank()
+        dist.destroy_process_group()
+        if rank != 0:
             return {"rows": rows}
     else:
         for cp in args.cps:

@@ -178,7 +178,9 @@ def main(argv=None) -> dict:
             model, inputs, dev = _setup(world, ring, args)
             result = common.measure(model, inputs, device=dev, warmup=args.warmup, repeats=args.repeats)
             rows.append(_row(cp, mode, ring, common.gather_results(result), common.torch.get_num_threads(), args))
-        if dist.get_rank() != 0:
+        rank = dist.get_rank()
+        dist.destroy_process_group()
+        if rank != 0:
             return {"rows": rows}
     else:
         for cp, mode, ring in configurations(args):

@@ -68,7 +68,7 @@ def test_max_sequence_brackets_the_budget(capsys):
 
     budget_mib = 6
     out = max_sequence.main(
-        ["--cps", "2", "--budget-mib", str(budget_mib), "--start", "128", "--granularity", "64"]
+        ["--cps", "2", "--budget-mib", str(budget_mib), "--first-probe", "128", "--granularity", "64"]
         + ["--text-tokens", "16", "--layers", "1"]
     )
     (row,) = out["rows"]
