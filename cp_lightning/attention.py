@@ -23,29 +23,48 @@ from torch import nn
 from cp_lightning import collectives
 from cp_lightning.kernels import pick_kernel
 from cp_lightning.mesh import CPGroups
+from cp_lightning.plan import SplitState
 from cp_lightning.ring import ring_attention
 
 
-def _seq_to_heads(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-    """Ulysses scatter: sequence-sharded, all heads -> full sequence, this rank's heads."""
-    world = dist.get_world_size(group)
+def _seq_to_heads(x: torch.Tensor, group: dist.ProcessGroup, lengths: list[int], heads: list[int]) -> torch.Tensor:
+    """Ulysses scatter: sequence-sharded, all heads -> full sequence, this rank's heads.
+
+    ``lengths[p]``: rank p's number of tokens; ``heads[p]``: the number of heads rank p attends over
+    (``chunk_sizes(H, P)``). Rank p's tokens come back as block p of the full sequence.
+    """
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
     b, s_local, h, d = x.shape
-    # B, S_local, H, D -> P, S_local, B, H/P, D: chunk p holds head group p, sent to rank p
-    x = x.reshape(b, s_local, world, h // world, d).permute(2, 1, 0, 3, 4)
-    x = collectives.all_to_all(x, group)
-    # P(source rank), S_local, B, H/P, D -> S, B, H/P, D -> B, S, H/P, D (rank p's tokens are block p)
-    return x.reshape(world * s_local, b, h // world, d).permute(1, 0, 2, 3)
+    if len(set(heads)) == 1:
+        # B, S_local, H, D -> P, S_local, B, H/P, D: chunk p holds head group p, sent to rank p
+        send = x.reshape(b, s_local, world, h // world, d).permute(2, 1, 0, 3, 4).reshape(-1)
+    else:  # head groups of different sizes: the same layout, built group by group
+        send = torch.cat([part.permute(1, 0, 2, 3).reshape(-1) for part in x.split(heads, dim=2)])
+    row = b * d
+    out = collectives.all_to_all(
+        send, group, send=[s_local * n * row for n in heads], recv=[length * heads[rank] * row for length in lengths]
+    )
+    # blocks [S_p, B, H_rank, D] in rank order are one contiguous [S, B, H_rank, D]
+    return out.view(sum(lengths), b, heads[rank], d).permute(1, 0, 2, 3)
 
 
-def _heads_to_seq(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-    """Ulysses gather: full sequence, this rank's heads -> sequence-sharded, all heads."""
-    world = dist.get_world_size(group)
+def _heads_to_seq(x: torch.Tensor, group: dist.ProcessGroup, lengths: list[int], heads: list[int]) -> torch.Tensor:
+    """Ulysses gather: full sequence, this rank's heads -> sequence-sharded, all heads (the inverse)."""
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
     b, s, h_local, d = x.shape
-    # B, S, H/P, D -> S, B, H/P, D -> P, S_local, B, H/P, D: chunk p holds rank p's tokens
-    x = x.permute(1, 0, 2, 3).reshape(world, s // world, b, h_local, d)
-    x = collectives.all_to_all(x, group)
-    # P(head group), S_local, B, H/P, D -> B, S_local, P, H/P, D -> B, S_local, H, D
-    return x.permute(2, 1, 0, 3, 4).reshape(b, s // world, world * h_local, d)
+    s_local, row = lengths[rank], b * d
+    # B, S, H_rank, D -> S, B, H_rank, D: dim-0 block p holds rank p's tokens
+    send = x.permute(1, 0, 2, 3).reshape(-1)
+    out = collectives.all_to_all(
+        send, group, send=[length * h_local * row for length in lengths], recv=[s_local * n * row for n in heads]
+    )
+    if len(set(heads)) == 1:
+        # P(head group), S_local, B, H/P, D -> B, S_local, P, H/P, D -> B, S_local, H, D
+        out = out.view(world, s_local, b, heads[0], d).permute(2, 1, 0, 3, 4)
+        return out.reshape(b, s_local, world * heads[0], d)
+    chunks = out.split([s_local * n * row for n in heads])
+    parts = [chunk.view(s_local, b, n, d) for chunk, n in zip(chunks, heads, strict=True)]
+    return torch.cat(parts, dim=2).permute(1, 0, 2, 3)
 
 
 def _check_mask(mask: torch.Tensor, heads: int) -> None:
@@ -69,18 +88,18 @@ def _check_mask(mask: torch.Tensor, heads: int) -> None:
         )
 
 
-def _gather_mask(mask: torch.Tensor, group: dist.ProcessGroup, heads: int) -> torch.Tensor:
-    """(B, H or 1, 1, S_k_local) key-padding mask -> (B, H/P or 1, 1, S_k) for Ulysses.
+def _gather_mask(mask: torch.Tensor, group: dist.ProcessGroup, lengths: list[int], heads: list[int]) -> torch.Tensor:
+    """(B, H or 1, 1, S_k_local) key-padding mask -> (B, H_rank or 1, 1, S_k) for Ulysses.
 
     Keys (last dim) are sharded like the keys themselves, so an all-gather in rank order matches the
     key order after the all-to-all. A per-head mask keeps this rank's heads.
     """
     while mask.dim() < 4:
         mask = mask.unsqueeze(0)
-    mask = collectives.all_gather_no_grad(mask, -1, group)
-    if mask.shape[1] == heads > 1:
-        world, rank = dist.get_world_size(group), dist.get_rank(group)
-        mask = mask[:, rank * (heads // world) : (rank + 1) * (heads // world)]
+    mask = collectives.all_gather_no_grad(mask, -1, group, None if len(set(lengths)) == 1 else lengths)
+    if mask.shape[1] == sum(heads) > 1:
+        rank = dist.get_rank(group)
+        mask = mask[:, sum(heads[:rank]) : sum(heads[: rank + 1])]
     return mask
 
 
@@ -97,11 +116,25 @@ def _to_bias(mask: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | No
 
 def _check_heads(query: torch.Tensor, key: torch.Tensor, ulysses: int) -> None:
     heads = query.shape[2]
-    if heads % ulysses != 0 or key.shape[2] != heads:
+    if key.shape[2] != heads:
         raise ValueError(
-            f"Ulysses needs the head count ({heads}, keys {key.shape[2]}) to be divisible by the Ulysses degree "
-            f"{ulysses}; choose cp (or cp/ring) dividing {heads}, or a larger ring degree."
+            f"queries have {heads} heads but keys {key.shape[2]}; context-parallel attention needs equal head "
+            "counts (repeat the key/value heads for grouped-query attention)."
         )
+    if heads < ulysses:
+        raise ValueError(
+            f"Ulysses gives each of its {ulysses} ranks at least one of the {heads} attention heads; use a Ulysses "
+            f"degree (cp / ring) of at most {heads}, e.g. a larger ring degree."
+        )
+
+
+def _local_lengths(query, key, group: dist.ProcessGroup, even: bool) -> tuple[list[int], list[int]]:
+    """Every rank's query and key lengths: equal when ``even``, else exchanged (one small all-gather)."""
+    world = dist.get_world_size(group)
+    if even:
+        return [query.shape[1]] * world, [key.shape[1]] * world
+    rows = collectives.exchange_lengths([query.shape[1], key.shape[1]], group, query.device)
+    return [row[0] for row in rows], [row[1] for row in rows]
 
 
 def cp_attention(
@@ -113,13 +146,18 @@ def cp_attention(
     attn_mask: torch.Tensor | None = None,
     scale: float | None = None,
     kernel: str | None = None,
+    even: bool = False,
 ) -> torch.Tensor:
     """Exact attention over sequence-sharded ``(B, S_local, H, D)`` inputs across the CP group.
 
     Ulysses (all-to-all) over the inner ``ulysses`` axis, then, when ``ring > 1``, ring attention
-    over the outer ``ring`` axis (USP). Each rank holds its own shard of queries and of keys/values
-    (their lengths may differ, as in cross-attention to split text); it gets back its own
-    ``(B, S_local, H, D)`` output. Everything that can be refused is checked before communicating.
+    over the outer ``ring`` axis (USP). Each rank holds its own shard of queries and of keys/values;
+    shards may differ in length between ranks (a sequence the CP degree does not divide) and queries
+    from keys (cross-attention to split text). It gets back its own ``(B, S_local, H, D)`` output.
+    ``even=True`` promises that every rank's shards have the same lengths, which skips exchanging
+    them. Heads are dealt out as evenly as possible (:func:`collectives.chunk_sizes`): a head count the
+    Ulysses degree does not divide leaves some ranks one head more, with no padding.
+    Everything that can be refused is checked before communicating.
     """
     heads, ulysses = query.shape[2], groups.ulysses_size
     _check_heads(query, key, ulysses)
@@ -130,19 +168,24 @@ def cp_attention(
         ring_kernel = pick_kernel(query.device, query.dtype, attn_mask is not None, kernel)
 
     if ulysses > 1:
-        query, key, value = (_seq_to_heads(t, groups.ulysses) for t in (query, key, value))
+        q_lengths, k_lengths = _local_lengths(query, key, groups.ulysses, even)
+        head_split = collectives.chunk_sizes(heads, ulysses)
+        query = _seq_to_heads(query, groups.ulysses, q_lengths, head_split)
+        key, value = (_seq_to_heads(t, groups.ulysses, k_lengths, head_split) for t in (key, value))
         if attn_mask is not None:
-            attn_mask = _gather_mask(attn_mask, groups.ulysses, heads)
+            attn_mask = _gather_mask(attn_mask, groups.ulysses, k_lengths, head_split)
     # B, S, H/u, D -> B, H/u, S, D for the kernels and back
     q, k, v = (t.transpose(1, 2) for t in (query, key, value))
     if ring_kernel is None:
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, scale=scale)
     else:
+        _, block_lengths = _local_lengths(query, key, groups.ring, even)
+        bias = _to_bias(attn_mask, q.dtype)
         out = ring_attention(
-            q, k, v, group=groups.ring, kernel=ring_kernel, bias=_to_bias(attn_mask, q.dtype), scale=scale
+            q, k, v, group=groups.ring, kernel=ring_kernel, bias=bias, scale=scale, block_lengths=block_lengths
         )
     out = out.transpose(1, 2)
-    return _heads_to_seq(out, groups.ulysses) if ulysses > 1 else out
+    return _heads_to_seq(out, groups.ulysses, q_lengths, head_split) if ulysses > 1 else out
 
 
 def ulysses_attention(
@@ -163,9 +206,12 @@ def ulysses_attention(
 class ContextParallelAttention:
     """The ``_parallel_config`` cp_lightning puts on a processor: attention over the CP group."""
 
-    def __init__(self, groups: CPGroups, kernel: str | None = None) -> None:
+    def __init__(self, groups: CPGroups, kernel: str | None = None, state: SplitState | None = None) -> None:
         self.groups = groups
         self.kernel = kernel
+        # the model's split hooks record in it whether every split was even; until one is not,
+        # attention skips exchanging its ranks' lengths
+        self.state = SplitState() if state is None else state
 
     def __call__(
         self, query, key, value, *, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False
@@ -175,7 +221,16 @@ class ContextParallelAttention:
                 "context-parallel attention supports neither attention dropout, causal masking nor GQA "
                 f"(got dropout_p={dropout_p}, is_causal={is_causal}, enable_gqa={enable_gqa})."
             )
-        return cp_attention(query, key, value, groups=self.groups, attn_mask=attn_mask, scale=scale, kernel=self.kernel)
+        return cp_attention(
+            query,
+            key,
+            value,
+            groups=self.groups,
+            attn_mask=attn_mask,
+            scale=scale,
+            kernel=self.kernel,
+            even=self.state.even,
+        )
 
     def __repr__(self) -> str:
         return f"ContextParallelAttention(cp={self.groups.cp_size}, ring={self.groups.ring_size})"
@@ -232,10 +287,10 @@ def check_processors(module: nn.Module, ulysses_degree: int) -> list[tuple[str, 
                 "dispatch_attention_fn, so its attention cannot be routed to the CP group."
             )
         heads = getattr(sub, "heads", None)
-        if isinstance(heads, int) and heads % ulysses_degree != 0:
+        if isinstance(heads, int) and heads < ulysses_degree:
             raise ValueError(
-                f"{name!r} has {heads} attention heads, not divisible by the Ulysses degree {ulysses_degree}; "
-                f"choose cp (or cp/ring) dividing {heads}."
+                f"{name!r} has {heads} attention heads, fewer than the Ulysses degree {ulysses_degree} (each "
+                f"Ulysses rank attends over at least one head); use cp / ring <= {heads}, e.g. a larger ring degree."
             )
     return found
 

@@ -38,26 +38,42 @@ def record_sent(kind: str, nbytes: int) -> None:
         counter[kind] += nbytes
 
 
-def shard(x: torch.Tensor, dim: int, group: dist.ProcessGroup) -> torch.Tensor:
-    """This rank's equal slice of ``x`` along ``dim`` (no communication).
+def chunk_sizes(size: int, world: int) -> list[int]:
+    """How a dim of ``size`` is split over ``world`` ranks: ``torch.tensor_split``'s sizes, the first
+    ``size % world`` ranks holding one element more. Every rank computes the same list locally."""
+    return [size // world + (rank < size % world) for rank in range(world)]
 
-    Backward is autograd's own for ``narrow``: the gradient lands in this rank's slice and zeros
-    elsewhere. Tensors upstream of a split are computed identically on every CP rank, so each rank
-    contributes exactly the gradient of its own shard and their sum is the full gradient.
+
+def shard(x: torch.Tensor, dim: int, group: dist.ProcessGroup) -> torch.Tensor:
+    """This rank's slice of ``x`` along ``dim`` (no communication); sizes as in :func:`chunk_sizes`.
+
+    A dim that ``world`` does not divide is split unevenly (no padding): the extra elements go to the
+    first ranks, and the attention and gathers downstream exchange the actual lengths. Backward is
+    autograd's own for ``narrow``: the gradient lands in this rank's slice and zeros elsewhere. Tensors
+    upstream of a split are computed identically on every CP rank, so each rank contributes exactly
+    the gradient of its own shard and their sum is the full gradient.
     """
-    world = dist.get_world_size(group)
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
     size = x.shape[dim]
-    if size % world != 0:
+    if size < world:
         raise ValueError(
-            f"cannot split dim {dim} of size {size} evenly over {world} CP ranks; use a sequence length "
-            f"divisible by {world} (pad the input, or change the resolution / frame count)."
+            f"cannot split dim {dim} of size {size} over {world} CP ranks: every rank needs at least one element. "
+            f"Use a longer sequence (at least {world}) or a smaller cp."
         )
-    local = size // world
-    return x.narrow(dim, dist.get_rank(group) * local, local)
+    sizes = chunk_sizes(size, world)
+    return x.narrow(dim, sum(sizes[:rank]), sizes[rank])
+
+
+def exchange_lengths(lengths: list[int], group: dist.ProcessGroup, device: torch.device) -> list[list[int]]:
+    """All-gather a few integers per rank (e.g. local sequence lengths); returns one list per rank."""
+    local = torch.tensor(lengths, dtype=torch.int64, device=device)
+    parts = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, local, group=group)
+    return [part.tolist() for part in parts]
 
 
 class _GatherSeq(torch.autograd.Function):
-    """Forward: all-gather equal shards along ``dim``. Backward: this rank's slice of the gradient.
+    """Forward: all-gather the shards along ``dim``. Backward: this rank's slice of the gradient.
 
     Why the slice (not a reduce-scatter) is right: downstream of the gather every CP rank holds the
     same full tensor and computes the same loss, so the incoming gradient is identical on all ranks.
@@ -66,60 +82,92 @@ class _GatherSeq(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, dim: int, group: dist.ProcessGroup) -> torch.Tensor:
+    def forward(ctx, x: torch.Tensor, dim: int, group: dist.ProcessGroup, lengths: list[int] | None):
         ctx.dim, ctx.group = dim, group
-        return all_gather_no_grad(x, dim, group)
+        rank = dist.get_rank(group)
+        ctx.start = x.shape[dim] * rank if lengths is None else sum(lengths[:rank])
+        ctx.length = x.shape[dim]
+        return all_gather_no_grad(x, dim, group, lengths)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        world = dist.get_world_size(ctx.group)
-        local = grad.shape[ctx.dim] // world
-        return grad.narrow(ctx.dim, dist.get_rank(ctx.group) * local, local).contiguous(), None, None
+        return grad.narrow(ctx.dim, ctx.start, ctx.length).contiguous(), None, None, None
 
 
-def gather(x: torch.Tensor, dim: int, group: dist.ProcessGroup) -> torch.Tensor:
-    """All-gather equal shards along ``dim``; the backward hands each rank its slice (see ``_GatherSeq``)."""
-    return _GatherSeq.apply(x, dim, group)
+def gather(x: torch.Tensor, dim: int, group: dist.ProcessGroup, *, even: bool = True) -> torch.Tensor:
+    """All-gather the shards along ``dim``; the backward hands each rank its slice (see ``_GatherSeq``).
+
+    ``even=False`` allows shards of different lengths (exchanged first, one small all-gather).
+    """
+    lengths = None
+    if not even:
+        lengths = [row[0] for row in exchange_lengths([x.shape[dim]], group, x.device)]
+    return _GatherSeq.apply(x, dim, group, lengths)
 
 
-def all_gather_no_grad(x: torch.Tensor, dim: int, group: dist.ProcessGroup) -> torch.Tensor:
-    """All-gather equal shards along ``dim`` outside autograd (attention masks, checksums)."""
-    x = x.detach().contiguous()
+def all_gather_no_grad(
+    x: torch.Tensor, dim: int, group: dist.ProcessGroup, lengths: list[int] | None = None
+) -> torch.Tensor:
+    """All-gather shards along ``dim`` outside autograd (attention masks, checksums).
+
+    ``lengths``: each rank's size along ``dim`` when they differ. Shards are then padded to the
+    longest, gathered and trimmed, since not every backend gathers tensors of different shapes.
+    """
+    x = x.detach()
     world = dist.get_world_size(group)
+    longest = x.shape[dim] if lengths is None else max(lengths)
+    if longest > x.shape[dim]:
+        pad = list(x.shape)
+        pad[dim] = longest - x.shape[dim]
+        x = torch.cat([x, x.new_zeros(pad)], dim=dim)
+    x = x.contiguous()
     record_sent("all_gather", x.numel() * x.element_size() * (world - 1))
     parts = [torch.empty_like(x) for _ in range(world)]
     dist.all_gather(parts, x, group=group)
+    if lengths is not None:
+        parts = [part.narrow(dim, 0, length) for part, length in zip(parts, lengths, strict=True)]
     return torch.cat(parts, dim=dim)
 
 
 class _AllToAll(torch.autograd.Function):
     """Forward: chunk ``i`` of dim 0 goes to rank ``i``; chunk ``i`` of the result came from rank ``i``.
 
-    Backward: the same exchange applied to the gradient. With equal chunks the operator is a
-    permutation of elements across ranks, and the adjoint of a permutation is its inverse: the
-    gradient of the chunk that rank ``i`` sent us must go back to rank ``i`` as its chunk for us,
-    which is again an all-to-all.
+    Chunks are equal, or sized by ``send`` (what this rank sends to each rank) and ``recv`` (what it
+    receives from each). Backward: the same exchange applied to the gradient with ``send`` and
+    ``recv`` swapped. The operator moves each element to one place on one rank (a permutation of
+    elements across ranks), and the adjoint of a permutation is its inverse: the gradient of the
+    chunk that rank ``i`` sent us must go back to rank ``i``, which is again an all-to-all.
     """
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-        ctx.group = group
-        return _all_to_all(x, group)
+    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup, send: list[int] | None, recv: list[int] | None):
+        ctx.group, ctx.send, ctx.recv = group, send, recv
+        return _all_to_all(x, group, send, recv)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        return _all_to_all(grad, ctx.group), None
+        return _all_to_all(grad, ctx.group, ctx.recv, ctx.send), None, None, None
 
 
-def _all_to_all(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+def _all_to_all(x: torch.Tensor, group: dist.ProcessGroup, send: list[int] | None, recv: list[int] | None):
     x = x.contiguous()
-    out = torch.empty_like(x)
-    world = dist.get_world_size(group)
-    record_sent("all_to_all", x.numel() * x.element_size() * (world - 1) // world)
-    dist.all_to_all_single(out, x, group=group)
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    if send is None:
+        out = torch.empty_like(x)
+        record_sent("all_to_all", x.numel() * x.element_size() * (world - 1) // world)
+    else:
+        row = x[0].numel() * x.element_size() if x.dim() > 1 else x.element_size()
+        out = x.new_empty((sum(recv), *x.shape[1:]))
+        record_sent("all_to_all", (sum(send) - send[rank]) * row)
+    dist.all_to_all_single(out, x, output_split_sizes=recv, input_split_sizes=send, group=group)
     return out
 
 
-def all_to_all(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-    """Exchange equal dim-0 chunks between the ranks of ``group`` (differentiable)."""
-    return _AllToAll.apply(x, group)
+def all_to_all(
+    x: torch.Tensor, group: dist.ProcessGroup, send: list[int] | None = None, recv: list[int] | None = None
+) -> torch.Tensor:
+    """Exchange dim-0 chunks between the ranks of ``group`` (differentiable).
+
+    Chunks are equal unless ``send`` / ``recv`` give, per rank, the rows sent to / received from it.
+    """
+    return _AllToAll.apply(x, group, send, recv)

@@ -19,7 +19,7 @@ from cp_lightning import attention, collectives
 from cp_lightning.checks import ConsistencyCheck
 from cp_lightning.kernels import get_kernel
 from cp_lightning.mesh import CP, CPGroups, _require_process_group, build_mesh, cp_groups, validate_degrees
-from cp_lightning.plan import apply_plan, remove_plan, resolve_plan
+from cp_lightning.plan import SplitState, apply_plan, remove_plan, resolve_plan
 
 _STATE = "_cp_lightning_state"
 
@@ -95,9 +95,10 @@ def parallelize(
         mesh = build_mesh(cp, ring=ring)
     groups = cp_groups(mesh, ring)
     check = ConsistencyCheck(groups.cp, check_steps)
-    handles = apply_plan(entries, groups.cp, check=check, gather=not loss_parallel)
+    state = SplitState()  # written by the split hooks, read by the gathers and the attention
+    handles = apply_plan(entries, groups.cp, check=check, gather=not loss_parallel, state=state)
     handles.append(module.register_forward_pre_hook(lambda mod, _args: check.on_forward(mod)))
-    attention.route_processors(found, attention.ContextParallelAttention(groups, kernel))
+    attention.route_processors(found, attention.ContextParallelAttention(groups, kernel, state))
     setattr(module, _STATE, ParallelState(mesh, groups, handles, found, check, loss_parallel))
     return module
 
@@ -122,7 +123,10 @@ def loss_shard(target, module: nn.Module, dim: int = 1):
     """This rank's shard of ``target`` when ``module`` runs in loss-parallel mode, else ``target``.
 
     In loss-parallel mode the model's output stays split along the sequence, so the loss needs the
-    matching slice of the target. The same code then runs unchanged with and without CP.
+    matching slice of the target. The same code then runs unchanged with and without CP. The loss
+    must be a mean over the shard's tokens (e.g. ``F.mse_loss``): when the CP degree does not divide
+    the sequence, shards differ in length, and the output's gradient is weighted so that DDP's mean
+    over ranks equals the full-sequence mean (see ``plan._gather_hook``).
     """
     state = parallel_state(module)
     if state is None or not state.loss_parallel:

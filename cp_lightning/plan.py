@@ -140,7 +140,17 @@ def resolve_plan(module: nn.Module, plan: Mapping | None) -> list[ResolvedEntry]
     return entries
 
 
-def _split(x: torch.Tensor, spec: ContextParallelInput, group, where: str, check=None) -> torch.Tensor:
+class SplitState:
+    """Shared by one model's split hooks, gathers and attention: ``even`` stays True while every split
+    divided evenly over the CP ranks. The first uneven split clears it for good (the same on every
+    rank, since it depends only on the full shapes); from then on gathers and attention exchange the
+    ranks' actual lengths, one small all-gather each."""
+
+    def __init__(self) -> None:
+        self.even = True
+
+
+def _split(x: torch.Tensor, spec: ContextParallelInput, group, where: str, check=None, state=None) -> torch.Tensor:
     if x.dim() <= spec.split_dim:
         # The entry does not apply to this form of the input, e.g. Wan's plan splits a per-token
         # timestep (B, S) and is handed a per-sample one (B,): there is no sequence to split.
@@ -156,27 +166,29 @@ def _split(x: torch.Tensor, spec: ContextParallelInput, group, where: str, check
         raise ValueError(f"{where}: {err}") from None
     if check is not None:  # after the local validation above: a user mistake never reaches a collective
         check(where, x)
+    if state is not None and x.shape[spec.split_dim] % dist.get_world_size(group) != 0:
+        state.even = False
     return local
 
 
-def _split_value(value, spec, group, where: str, check=None):
+def _split_value(value, spec, group, where: str, check=None, state=None):
     if isinstance(value, torch.Tensor):
         if isinstance(spec, (list, tuple)):
             raise TypeError(f"{where}: the plan has a list of {len(spec)} specs but the value is a single tensor.")
-        return _split(value, spec, group, where, check)
+        return _split(value, spec, group, where, check, state)
     if isinstance(value, (list, tuple)):
         specs = spec if isinstance(spec, (list, tuple)) else [spec] * len(value)
         if len(specs) != len(value):
             raise ValueError(f"{where}: the plan has {len(specs)} specs for a sequence of {len(value)} values.")
         out = [
-            _split(v, s, group, f"{where}[{i}]", check) if isinstance(v, torch.Tensor) else v
+            _split(v, s, group, f"{where}[{i}]", check, state) if isinstance(v, torch.Tensor) else v
             for i, (v, s) in enumerate(zip(value, specs, strict=True))
         ]
         return type(value)(out)
     raise TypeError(f"{where}: cannot split a {type(value).__name__}; the plan expects tensors here.")
 
 
-def _split_inputs_hook(name: str, spec: Mapping, group, module: nn.Module, check=None) -> Callable:
+def _split_inputs_hook(name: str, spec: Mapping, group, module: nn.Module, check=None, state=None) -> Callable:
     params = list(inspect.signature(module.forward).parameters)
     by_name = {key: value for key, value in spec.items() if isinstance(key, str)}
 
@@ -186,17 +198,17 @@ def _split_inputs_hook(name: str, spec: Mapping, group, module: nn.Module, check
             where = f"{name or '<root>'}({arg})"
             if arg in kwargs:
                 if kwargs[arg] is not None:
-                    kwargs[arg] = _split_value(kwargs[arg], arg_spec, group, where, check)
+                    kwargs[arg] = _split_value(kwargs[arg], arg_spec, group, where, check, state)
             else:
                 index = params.index(arg)
                 if index < len(args) and args[index] is not None:
-                    args[index] = _split_value(args[index], arg_spec, group, where, check)
+                    args[index] = _split_value(args[index], arg_spec, group, where, check, state)
         return tuple(args), kwargs
 
     return hook
 
 
-def _split_outputs_hook(name: str, spec: Mapping, group) -> Callable:
+def _split_outputs_hook(name: str, spec: Mapping, group, state=None) -> Callable:
     by_index = {key: value for key, value in spec.items() if isinstance(key, int)}
 
     def hook(_module, _args, output):
@@ -207,13 +219,32 @@ def _split_outputs_hook(name: str, spec: Mapping, group) -> Callable:
                 raise ValueError(
                     f"{name}: the plan splits output {index}, but the module returned {len(items)} outputs."
                 )
-            items[index] = _split_value(items[index], item_spec, group, f"{name}->output[{index}]")
+            items[index] = _split_value(items[index], item_spec, group, f"{name}->output[{index}]", state=state)
         return items[0] if single else type(output)(items)
 
     return hook
 
 
-def _gather_hook(name: str, spec, group) -> Callable:
+class _ScaleGrad(torch.autograd.Function):
+    """Identity forward; the backward multiplies the gradient by ``weight``."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: float) -> torch.Tensor:
+        ctx.weight = weight
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad * ctx.weight, None
+
+
+def _gather_hook(name: str, spec, group, state: SplitState, gather: bool) -> Callable:
+    """Gather the outputs the plan names; with ``gather=False`` (loss-parallel) keep them sharded.
+
+    Loss-parallel and uneven shards: each rank's loss is a mean over its own S_r of the S tokens, and
+    DDP averages the ranks' gradients. The full-sequence mean weighs rank r by S_r / S, not 1 / cp,
+    so the output's gradient is scaled by cp * S_r / S (1 when the shards are even).
+    """
     specs = list(spec) if isinstance(spec, (list, tuple)) else [spec]
 
     def hook(_module, _args, output):
@@ -230,31 +261,43 @@ def _gather_hook(name: str, spec, group) -> Callable:
                     f"{name}->output[{i}]: expected a {out_spec.expected_dims}-d tensor to gather along dim "
                     f"{out_spec.gather_dim}, got shape {tuple(x.shape)}."
                 )
-            items[i] = collectives.gather(x, out_spec.gather_dim, group)
+            if gather:
+                items[i] = collectives.gather(x, out_spec.gather_dim, group, even=state.even)
+            elif not state.even:
+                lengths = collectives.exchange_lengths([x.shape[out_spec.gather_dim]], group, x.device)
+                total = sum(row[0] for row in lengths)
+                items[i] = _ScaleGrad.apply(x, len(lengths) * x.shape[out_spec.gather_dim] / total)
         return items[0] if single else type(output)(items)
 
     return hook
 
 
 def apply_plan(
-    entries: Sequence[ResolvedEntry], group: dist.ProcessGroup, *, check: Callable | None = None, gather: bool = True
+    entries: Sequence[ResolvedEntry],
+    group: dist.ProcessGroup,
+    *,
+    check: Callable | None = None,
+    gather: bool = True,
+    state: SplitState | None = None,
 ) -> list[RemovableHandle]:
     """Install the split and gather hooks of a resolved plan; returns the handles to remove them.
 
     ``check(where, tensor)`` is called on each full input before it is split (see checks.py);
-    ``gather=False`` leaves outputs sharded (loss-parallel training).
+    ``gather=False`` leaves outputs sharded (loss-parallel training); ``state`` records whether every
+    split so far was even (see :class:`SplitState`; a fresh one when omitted).
     """
+    state = SplitState() if state is None else state
     handles = []
     for entry in entries:
         for name, sub in entry.modules:
             if isinstance(entry.spec, Mapping):
                 if any(isinstance(key, str) for key in entry.spec):
-                    hook = _split_inputs_hook(name, entry.spec, group, sub, check)
+                    hook = _split_inputs_hook(name, entry.spec, group, sub, check, state)
                     handles.append(sub.register_forward_pre_hook(hook, with_kwargs=True))
                 if any(isinstance(key, int) for key in entry.spec):
-                    handles.append(sub.register_forward_hook(_split_outputs_hook(name, entry.spec, group)))
-            elif gather:
-                handles.append(sub.register_forward_hook(_gather_hook(name, entry.spec, group)))
+                    handles.append(sub.register_forward_hook(_split_outputs_hook(name, entry.spec, group, state)))
+            else:
+                handles.append(sub.register_forward_hook(_gather_hook(name, entry.spec, group, state, gather)))
     return handles
 
 

@@ -29,20 +29,35 @@ class RingComm:
     def __init__(self, group: dist.ProcessGroup) -> None:
         self.group = group
         self.world = dist.get_world_size(group)
-        rank = dist.get_rank(group)
+        self.rank = rank = dist.get_rank(group)
         self.next = dist.get_global_rank(group, (rank + 1) % self.world)
         self.prev = dist.get_global_rank(group, (rank - 1) % self.world)
 
-    def start(self, tensors: list[torch.Tensor], tags: list[int]) -> tuple[list[torch.Tensor], list]:
-        """Post sends of ``tensors`` and receives into fresh buffers of the same shapes; returns both."""
+    def start(
+        self, tensors: list[torch.Tensor], tags: list[int], shapes: list[torch.Size] | None = None
+    ) -> tuple[list[torch.Tensor], list]:
+        """Post sends of ``tensors`` and receives into fresh buffers; returns both.
+
+        Buffers have the shapes of the tensors sent unless ``shapes`` says otherwise (blocks of
+        different lengths when the sequence does not divide evenly).
+        """
         tensors = [t.contiguous() for t in tensors]
-        buffers = [torch.empty_like(t, memory_format=torch.contiguous_format) for t in tensors]
+        shapes = shapes or [t.shape for t in tensors]
+        buffers = [t.new_empty(shape) for t, shape in zip(tensors, shapes, strict=True)]
         ops = []
         for tensor, buffer, tag in zip(tensors, buffers, tags, strict=True):
             record_sent(f"p2p:{tag}", tensor.numel() * tensor.element_size())
             ops.append(dist.P2POp(dist.isend, tensor, self.next, self.group, tag))
             ops.append(dist.P2POp(dist.irecv, buffer, self.prev, self.group, tag))
         return buffers, dist.batch_isend_irecv(ops)
+
+    def incoming_length(self, lengths: list[int] | None, step: int) -> int | None:
+        """The sequence length of the block received at ``step``: it belongs to rank r - step - 1.
+
+        Forward K/V and backward dK/dV alike: at step s rank r holds the block of rank r - s, and the
+        previous rank sends the block it holds, that of r - s - 1 (the last hop brings r's own home).
+        """
+        return None if lengths is None else lengths[(self.rank - step - 1) % self.world]
 
     @staticmethod
     def finish(pending: tuple[list[torch.Tensor], list]) -> list[torch.Tensor]:
@@ -81,12 +96,21 @@ def _wire(x: torch.Tensor) -> torch.Tensor:
     return x.transpose(1, 2).contiguous()
 
 
-def _start_blocks(comm: RingComm, k, v, bias):
-    """Send this K/V block (and its mask) on and receive the previous rank's, without copying it."""
+def _with_length(tensor: torch.Tensor, dim: int, length: int | None) -> torch.Size:
+    shape = list(tensor.shape)
+    if length is not None:
+        shape[dim] = length
+    return torch.Size(shape)
+
+
+def _start_blocks(comm: RingComm, k, v, bias, length: int | None):
+    """Send this K/V block (and its mask) on and receive the previous rank's, of ``length`` keys
+    (None: as long as this one), without copying it. K/V are (B, S, H, D), the mask (B, H|1, 1, S)."""
     tensors, tags = [k, v], [K_TAG, V_TAG]
     if bias is not None:
         tensors, tags = [k, v, bias], [K_TAG, V_TAG, BIAS_TAG]
-    return comm.start(tensors, tags)
+    shapes = [_with_length(t, 1 if t is not bias else -1, length) for t in tensors]
+    return comm.start(tensors, tags, shapes)
 
 
 def _finish_blocks(comm: RingComm, pending):
@@ -95,10 +119,11 @@ def _finish_blocks(comm: RingComm, pending):
 
 
 class _RingAttention(torch.autograd.Function):
-    """q, k, v: (B, H, S_local, D); bias: None or (B, H|1, 1, S_k_local) additive, in q's dtype."""
+    """q, k, v: (B, H, S_local, D); bias: None or (B, H|1, 1, S_k_local) additive, in q's dtype;
+    block_lengths: every ring rank's key count, or None when they are all equal."""
 
     @staticmethod
-    def forward(ctx, q, k, v, bias, group, kernel: Kernel, scale):
+    def forward(ctx, q, k, v, bias, group, kernel: Kernel, scale, block_lengths):
         comm = RingComm(group)
         bias = None if bias is None else bias.contiguous()
         # blocks travel as contiguous B, S, H, D; the kernels see B, H, S, D views of them
@@ -106,7 +131,9 @@ class _RingAttention(torch.autograd.Function):
         out = lse = None
         for step in range(comm.world):
             # post the transfer of the next block before computing on this one: they overlap
-            pending = _start_blocks(comm, block_k, block_v, block_bias) if step + 1 < comm.world else None
+            pending = None
+            if step + 1 < comm.world:
+                pending = _start_blocks(comm, block_k, block_v, block_bias, comm.incoming_length(block_lengths, step))
             block_out, block_lse = kernel.forward(
                 q, block_k.transpose(1, 2), block_v.transpose(1, 2), block_bias, scale
             )
@@ -117,6 +144,7 @@ class _RingAttention(torch.autograd.Function):
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse, *([] if bias is None else [bias]))
         ctx.group, ctx.kernel, ctx.scale, ctx.has_bias = group, kernel, scale, bias is not None
+        ctx.block_lengths = block_lengths
         return out
 
     @staticmethod
@@ -130,7 +158,10 @@ class _RingAttention(torch.autograd.Function):
         block_k, block_v, block_bias = _wire(k), _wire(v), bias
         grad_pending = None
         for step in range(comm.world):
-            kv_pending = _start_blocks(comm, block_k, block_v, block_bias) if step + 1 < comm.world else None
+            incoming = comm.incoming_length(ctx.block_lengths, step)
+            kv_pending = None
+            if step + 1 < comm.world:
+                kv_pending = _start_blocks(comm, block_k, block_v, block_bias, incoming)
             dq_block, dk_block, dv_block = ctx.kernel.backward(
                 dout, q, block_k.transpose(1, 2), block_v.transpose(1, 2), out, lse, block_bias, ctx.scale
             )
@@ -142,14 +173,22 @@ class _RingAttention(torch.autograd.Function):
                 dk += dk_block.transpose(1, 2)
                 dv += dv_block.transpose(1, 2)
             del dq_block, dk_block, dv_block
-            grad_pending = comm.start([dk, dv], [DK_TAG, DV_TAG])  # on to the next rank; the last hop goes home
+            # on to the next rank; the last hop goes home
+            grad_pending = comm.start([dk, dv], [DK_TAG, DV_TAG], [_with_length(t, 1, incoming) for t in (dk, dv)])
             if kv_pending is not None:
                 block_k, block_v, block_bias = _finish_blocks(comm, kv_pending)
         dk, dv = comm.finish(grad_pending)
         dk, dv = dk.transpose(1, 2).to(k.dtype), dv.transpose(1, 2).to(v.dtype)
-        return dq.to(q.dtype), dk, dv, None, None, None, None
+        return dq.to(q.dtype), dk, dv, None, None, None, None, None
 
 
-def ring_attention(q, k, v, *, group: dist.ProcessGroup, kernel: Kernel, bias=None, scale=None) -> torch.Tensor:
-    """Exact attention of local queries over the K/V blocks of every rank in ``group`` (all (B, H, S, D))."""
-    return _RingAttention.apply(q, k, v, bias, group, kernel, scale)
+def ring_attention(
+    q, k, v, *, group: dist.ProcessGroup, kernel: Kernel, bias=None, scale=None, block_lengths: list[int] | None = None
+) -> torch.Tensor:
+    """Exact attention of local queries over the K/V blocks of every rank in ``group`` (all (B, H, S, D)).
+
+    ``block_lengths``: each ring rank's key count when they differ (None: all equal to this rank's).
+    """
+    if block_lengths is not None and len(set(block_lengths)) == 1:
+        block_lengths = None
+    return _RingAttention.apply(q, k, v, bias, group, kernel, scale, block_lengths)

@@ -58,13 +58,13 @@ def _wan(heads: int) -> nn.Module:
         freq_dim=16,
         ffn_dim=32,
         num_layers=2,
-        rope_max_seq_len=32,
+        rope_max_seq_len=64,
     )
 
 
 def _wan_inputs(model, g, batch, tokens, text_tokens, dtype):
-    # tokens = frames * (H/2) * (W/2) with 2 latent frames
-    frames = 2
+    # tokens = frames * (H/2) * (W/2)
+    frames = _frames(tokens)
     side_h = _factor(tokens // frames)
     side_w = tokens // frames // side_h
     return {
@@ -120,7 +120,7 @@ def _ltx(heads: int) -> nn.Module:
 
 
 def _ltx_inputs(model, g, batch, tokens, text_tokens, dtype):
-    frames = 2
+    frames = _frames(tokens)
     side_h = _factor(tokens // frames)
     mask = torch.ones(batch, text_tokens, dtype=torch.long)
     for i in range(1, batch):
@@ -135,6 +135,11 @@ def _ltx_inputs(model, g, batch, tokens, text_tokens, dtype):
         "width": tokens // frames // side_h,
         "rope_interpolation_scale": (1.0, 1.0, 1.0),
     }
+
+
+def _frames(tokens: int) -> int:
+    """Latent frames of a tiny video: 2 when the token count is even, else 1 (any count works)."""
+    return 2 if tokens % 2 == 0 else 1
 
 
 def _factor(n: int) -> int:

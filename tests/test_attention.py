@@ -66,6 +66,16 @@ CASES = [
     (4, 2, 4, 16, 16, "key_bool"),
     (4, 2, 2, 16, 8, "key_float_heads"),
 ]
+# Lengths no CP degree here divides (issue 6), every mode: Ulysses, ring, and USP at 4 = 2 ring x 2
+# Ulysses. Heads are uneven wherever Ulysses runs (5 over 2 or 3 ranks, 6 over 4); 33 adds a key
+# padding mask, 61 cross-attention to 13 split text keys with a per-head mask.
+UNEVEN_LAYOUTS = [(2, 1), (2, 2), (3, 1), (3, 3), (4, 1), (4, 4), (4, 2)]
+UNEVEN_CASES = [
+    (world, ring, 6 if world // ring == 4 else (5 if world // ring > 1 else 2), n, k, mask)
+    for world, ring in UNEVEN_LAYOUTS
+    for n, k, mask in ((30, 30, None), (33, 33, "key_bool"), (61, 13, "key_float_heads"))
+] + [(4, 1, 30, 61, 61, "key_bool")]  # 30 heads at Ulysses degree 4
+CASES += UNEVEN_CASES
 BF16_CASES = [
     (2, 1, 4, 64, 64, "key_bool"),
     (2, 2, 2, 64, 64, "key_bool"),
@@ -97,9 +107,11 @@ def _run_case(case, groups, dtype=torch.float32):
     local_mask = None if mask is None else collectives.shard(mask, -1, group)
     out = cp_attention(*local, groups=groups, attn_mask=local_mask)
     out.backward(collectives.shard(grad_out, 1, group).to(dtype))
-    errs = {"out": (collectives.all_gather_no_grad(out, 1, group).float() - ref_out).abs().max().item()}
-    for name, t, ref in zip("qkv", local, ref_inputs, strict=True):
-        errs["d" + name] = _rel(collectives.all_gather_no_grad(t.grad, 1, group).float(), ref.grad)
+    world = dist.get_world_size(group)
+    q_lengths, k_lengths = collectives.chunk_sizes(sq, world), collectives.chunk_sizes(sk, world)
+    errs = {"out": (collectives.all_gather_no_grad(out, 1, group, q_lengths).float() - ref_out).abs().max().item()}
+    for name, t, ref, lengths in zip("qkv", local, ref_inputs, (q_lengths, k_lengths, k_lengths), strict=True):
+        errs["d" + name] = _rel(collectives.all_gather_no_grad(t.grad, 1, group, lengths).float(), ref.grad)
     if dtype != torch.float32:  # the budget: plain bf16 SDPA in one process against the same reference
         plain = [t.detach().to(dtype).requires_grad_() for t in (q, k, v)]
         plain_out = F.scaled_dot_product_attention(*(t.transpose(1, 2) for t in plain), attn_mask=mask).transpose(1, 2)
@@ -154,6 +166,27 @@ def _collective_cases(rank, world):
     expected_grad = torch.zeros_like(full)
     expected_grad[:, rank * 4 : (rank + 1) * 4] = 1
     checks["shard_bwd"] = torch.equal(leaf.grad, expected_grad)
+
+    # uneven shards: 4 * world + 1 elements, rank 0 holding one more; gather and its backward
+    odd = torch.randn(3, 4 * world + 1, 5, generator=g)
+    start = rank * 4 + min(rank, 1)
+    piece = collectives.shard(odd, 1, group)
+    checks["uneven_shard"] = torch.equal(piece, odd[:, start : start + 4 + (rank == 0)])
+    piece = piece.clone().requires_grad_()
+    gathered = collectives.gather(piece, 1, group, even=False)
+    odd_weights = torch.randn(odd.shape, generator=g)
+    (gathered * odd_weights).sum().backward()
+    checks["uneven_gather_fwd"] = torch.equal(gathered, odd)
+    checks["uneven_gather_bwd"] = torch.equal(piece.grad, collectives.shard(odd_weights, 1, group))
+    # uneven all_to_all: rank r sends (i + 1) rows to rank i, so it receives r + 1 rows from each
+    rows = [i + 1 for i in range(world)]
+    x = torch.cat([torch.full((n, 2), 100.0 * rank + i) for i, n in enumerate(rows)]).requires_grad_()
+    y = collectives.all_to_all(x, group, send=rows, recv=[rank + 1] * world)
+    expected = torch.cat([torch.full((rank + 1, 2), 100.0 * src + rank) for src in range(world)])
+    checks["uneven_a2a_fwd"] = torch.equal(y, expected)
+    (y * torch.arange(world, dtype=torch.float32).repeat_interleave(rank + 1)[:, None]).sum().backward()
+    # the rows we sent to rank i came back weighted there by our rank
+    checks["uneven_a2a_bwd"] = torch.equal(x.grad, torch.full_like(x, float(rank)))
     return checks
 
 

@@ -33,8 +33,8 @@ def _bad_setup(name):
         return lambda: parallelize(tiny_model("flux"), cp=3)
     if name == "ring_not_dividing_cp":
         return lambda: parallelize(tiny_model("flux"), cp=2, ring=3)
-    if name == "heads_not_divisible":
-        return lambda: parallelize(tiny_model("flux", heads=3), cp=2)
+    if name == "fewer_heads_than_ulysses":
+        return lambda: parallelize(tiny_model("flux", heads=1), cp=2)
     if name == "no_plan":
         return lambda: parallelize(NoPlan(), cp=2)
     if name == "missing_module":
@@ -51,14 +51,14 @@ def _bad_setup(name):
 SETUP_ERRORS = {
     "cp_not_dividing_world": "must divide the number of processes",
     "ring_not_dividing_cp": "ring=3 must divide cp=2",
-    "heads_not_divisible": "not divisible by the Ulysses degree",
+    "fewer_heads_than_ulysses": "fewer than the Ulysses degree 2",
     "no_plan": "has no diffusers `_cp_plan`",
     "missing_module": "names no submodule",
     "unknown_argument": "splits argument 'latents'",
     "kernel_without_lse": "cannot return the log-sum-exp",
 }
 RUNTIME_ERRORS = {
-    "length_not_divisible": "not evenly|divisible by 2",
+    "sequence_shorter_than_cp": "every rank needs at least one element",
     "unexpected_dims": "expected a 3-d tensor",
     "per_query_mask": "one row per query",
     "kernel_for_another_device": "runs on \\('cuda',\\)",
@@ -69,8 +69,8 @@ def _runtime_call(name, model, ring_model, mesh):
     from cp_lightning.attention import ulysses_attention
     from cp_lightning.tiny import tiny_inputs
 
-    if name == "length_not_divisible":
-        inputs = tiny_inputs("flux", model, tokens=15)
+    if name == "sequence_shorter_than_cp":
+        inputs = tiny_inputs("flux", model, tokens=1)
         return lambda: model(**inputs)
     if name == "unexpected_dims":
         inputs = tiny_inputs("flux", model)
@@ -147,11 +147,12 @@ def test_degrees_must_be_positive_ints(cp):
         validate_degrees(cp, 1, 4)
 
 
-def test_usp_heads_must_divide_the_ulysses_degree():
+def test_usp_needs_a_head_per_ulysses_rank():
     from cp_lightning.attention import check_processors
     from cp_lightning.tiny import tiny_model
 
-    # cp=4 with ring=2 leaves a Ulysses degree of 2: 3 heads cannot be split
-    with pytest.raises(ValueError, match="3 attention heads, not divisible by the Ulysses degree 2"):
-        check_processors(tiny_model("flux", heads=3), 2)
-    check_processors(tiny_model("flux", heads=3), 1)  # pure ring (ulysses degree 1) takes any head count
+    # cp=4 with ring=2 leaves a Ulysses degree of 2: one head cannot be shared by two ranks
+    with pytest.raises(ValueError, match="1 attention heads, fewer than the Ulysses degree 2"):
+        check_processors(tiny_model("flux", heads=1), 2)
+    check_processors(tiny_model("flux", heads=3), 2)  # 3 heads over 2 ranks: 2 + 1, exact
+    check_processors(tiny_model("flux", heads=1), 1)  # pure ring (ulysses degree 1) takes any head count

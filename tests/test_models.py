@@ -21,6 +21,16 @@ LAYOUTS = [(2, 1), (4, 1), (2, 2), (3, 3), (4, 4), (4, 2)]
 FP32_CASES = [(name, cp, ring, ckpt) for name in MODELS for cp, ring in LAYOUTS for ckpt in (False, True)]
 BF16_CASES = [(name, cp, ring) for name in MODELS for cp, ring in [(2, 1), (4, 4)]]
 TOKENS, TEXT_TOKENS = 24, 12  # divisible by 2, 3 and 4
+# Lengths no CP degree divides (issue 6), with 13 text tokens (split too, for Flux and QwenImage),
+# in every mode; QwenImage carries its text padding mask.
+UNEVEN_MODELS = ["flux", "wan", "qwenimage"]
+UNEVEN_LAYOUTS = [(2, 1), (2, 2), (3, 1), (3, 3), (4, 1), (4, 4), (4, 2)]
+UNEVEN_CASES = [
+    (name, cp, ring, tokens) for name in UNEVEN_MODELS for cp, ring in UNEVEN_LAYOUTS for tokens in (30, 33, 61)
+]
+UNEVEN_TEXT = 13
+# Head counts the Ulysses degree does not divide: 6 and 30 heads at Ulysses 4 (and 6 with ring 2)
+HEAD_CASES = [("flux", 6, 4, 1), ("flux", 30, 4, 1), ("wan", 6, 4, 1), ("qwenimage", 6, 4, 1), ("flux", 6, 4, 2)]
 
 OUT_TOL = 1e-5
 GRAD_TOL = 1e-4
@@ -47,15 +57,15 @@ def _grads(model):
     }
 
 
-def _run_case(name, cp, ring, ckpt, meshes, dtype=torch.float32):
+def _run_case(name, cp, ring, ckpt, meshes, dtype=torch.float32, tokens=TOKENS, text_tokens=TEXT_TOKENS, heads=4):
     from cp_lightning import parallelize, remove
     from cp_lightning.tiny import tiny_inputs, tiny_model
 
-    reference = tiny_model(name)
+    reference = tiny_model(name, heads=heads)
     if ckpt:
         reference.enable_gradient_checkpointing()
     model = copy.deepcopy(reference).to(dtype)
-    inputs = tiny_inputs(name, reference, tokens=TOKENS, text_tokens=TEXT_TOKENS)
+    inputs = tiny_inputs(name, reference, tokens=tokens, text_tokens=text_tokens)
     ref_out = _forward_backward(reference, inputs)
     ref_grads = _grads(reference)
 
@@ -94,6 +104,16 @@ def _all_cases(rank, world):
     for name, cp, ring in BF16_CASES:
         if cp in meshes:
             results[(name, cp, ring, False, "bf16")] = _run_case(name, cp, ring, False, meshes, dtype=torch.bfloat16)
+    for name, cp, ring, tokens in UNEVEN_CASES:
+        if cp in meshes:
+            results[(name, cp, ring, tokens, "uneven")] = _run_case(
+                name, cp, ring, False, meshes, tokens=tokens, text_tokens=UNEVEN_TEXT
+            )
+    for name, heads, cp, ring in HEAD_CASES:
+        if cp in meshes:
+            results[(name, heads, cp, ring, "heads")] = _run_case(
+                name, cp, ring, False, meshes, tokens=61, text_tokens=UNEVEN_TEXT, heads=heads
+            )
     return results
 
 
@@ -129,3 +149,17 @@ def test_bf16_within_plain_bf16_error(results, case):
     # CP in bf16 reorders reductions; it must not be much worse than plain bf16 against fp32
     assert r["out_err"] <= 2 * r["plain_out_err"] + 1e-3, r
     assert r["grad_err"] <= 2 * r["plain_grad_err"] + 1e-3, r
+
+
+@pytest.mark.parametrize("case", UNEVEN_CASES, ids=[f"{_id(c[:3])}-{c[3]}tokens" for c in UNEVEN_CASES])
+def test_uneven_length_parity(results, case):
+    r = results[(*case, "uneven")]
+    assert r["out_err"] <= OUT_TOL, r
+    assert r["grad_err"] <= GRAD_TOL, r
+
+
+@pytest.mark.parametrize("case", HEAD_CASES, ids=[f"{c[0]}-{c[1]}heads-cp{c[2]}-ring{c[3]}" for c in HEAD_CASES])
+def test_head_count_not_divisible_parity(results, case):
+    r = results[(*case, "heads")]
+    assert r["out_err"] <= OUT_TOL, r
+    assert r["grad_err"] <= GRAD_TOL, r
