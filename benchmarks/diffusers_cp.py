@@ -156,9 +156,12 @@ def _count_diffusers_bytes() -> None:
     warnings.filterwarnings("ignore", message=".*all_gather_tensor.* is deprecated")
     all_to_all, all_gather, permute = funcol.all_to_all_single, funcol.all_gather_tensor, funcol.permute_tensor
 
+    in_permute = []  # torch implements permute_tensor with all_to_all_single: count it once
+
     def all_to_all_single(x, output_split_sizes, input_split_sizes, group, *args, **kwargs):
-        world = _group_size(group)
-        record_sent("all_to_all", x.numel() * x.element_size() * (world - 1) // world)
+        if not in_permute:
+            world = _group_size(group)
+            record_sent("all_to_all", x.numel() * x.element_size() * (world - 1) // world)
         return all_to_all(x, output_split_sizes, input_split_sizes, group, *args, **kwargs)
 
     def all_gather_tensor(x, gather_dim, group, *args, **kwargs):
@@ -167,7 +170,11 @@ def _count_diffusers_bytes() -> None:
 
     def permute_tensor(x, src_dst, group, *args, **kwargs):
         record_sent("permute", x.numel() * x.element_size())
-        return permute(x, src_dst, group, *args, **kwargs)
+        in_permute.append(True)
+        try:
+            return permute(x, src_dst, group, *args, **kwargs)
+        finally:
+            in_permute.pop()
 
     funcol.all_to_all_single, funcol.all_gather_tensor, funcol.permute_tensor = (
         all_to_all_single,
