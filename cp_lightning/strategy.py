@@ -33,22 +33,94 @@ from cp_lightning.parallelize import parallel_state, parallelize
 from cp_lightning.plan import resolve_plan
 
 
+def check_cp_options(cp: int, ring: int, plan: Mapping | None, kernel: str | None, check_steps: int) -> None:
+    """Validate the CP options shared by the strategies and the Accelerate integration (no collectives)."""
+    _check_int("cp", cp)
+    _check_int("ring", ring)
+    if cp % ring != 0:
+        raise ValueError(f"ring={ring} must divide cp={cp} (cp = ring x ulysses); pick ring from the divisors of cp.")
+    if plan is not None and not isinstance(plan, Mapping):
+        raise TypeError(f"plan must be a dict of module path -> CP plan, got {type(plan).__name__}.")
+    if kernel is not None:
+        get_kernel(kernel)
+    if check_steps < 0:
+        raise ValueError(f"check_steps must be >= 0, got {check_steps}.")
+
+
+def seed_by_dp_rank(dp_rank: int, base: int | str | None) -> int:
+    """Seed torch (CPU and every CUDA device) and ``random`` with one job seed offset by the dp rank.
+
+    Noise, timesteps and dropout drawn in a training step must be equal on CP peers and differ across
+    dp ranks. Rank 0's ``base`` is broadcast, so ranks that were seeded differently still agree;
+    ``None`` on rank 0 draws a fresh random base. Collective: every rank calls it. Returns the seed.
+    """
+    shared = [int(base) if base is not None else random.SystemRandom().randrange(2**31)]
+    dist.broadcast_object_list(shared, src=0)
+    seed = (shared[0] + 1_000_003 * dp_rank) % 2**63
+    torch.manual_seed(seed)
+    random.seed(seed)
+    return seed
+
+
+def plan_targets(root: nn.Module, plan: Mapping | None) -> list[tuple[str, nn.Module, Mapping | None]]:
+    """(path, module, plan) for every module to parallelize: those named by ``plan``, else every
+    outermost submodule that carries a diffusers ``_cp_plan``."""
+    if plan is not None:
+        targets = []
+        for path, module_plan in plan.items():
+            try:
+                targets.append((path, root.get_submodule(path), module_plan))
+            except AttributeError:
+                raise ValueError(f"plan names module {path!r}, which {type(root).__name__} does not have.") from None
+        return targets
+    targets, covered = [], []
+    for name, module in root.named_modules():
+        if getattr(module, "_cp_plan", None) and not any(name.startswith(c + ".") or c == "" for c in covered):
+            targets.append((name, module, None))
+            covered.append(name)
+    if not targets:
+        raise ValueError(
+            f"no submodule of {type(root).__name__} has a diffusers `_cp_plan`, so there is nothing to split. "
+            "Pass plan={'path.to.module': {...}} (to ContextParallelStrategy or cp_lightning.accelerate) with a plan "
+            "per module, in diffusers' ContextParallelInput/ContextParallelOutput vocabulary."
+        )
+    return targets
+
+
+def parallelize_targets(
+    root: nn.Module,
+    *,
+    mesh: DeviceMesh,
+    plan: Mapping | None,
+    ring: int,
+    kernel: str | None,
+    loss_parallel: bool,
+    check_steps: int,
+) -> None:
+    """:func:`parallelize` every target of :func:`plan_targets`, after validating all of them (so a bad
+    plan is a ValueError on every rank before the first collective). Already parallelized ones are skipped."""
+    targets = plan_targets(root, plan)
+    for _, module, module_plan in targets:
+        resolve_plan(module, module_plan)
+    for _, module, module_plan in targets:
+        if parallel_state(module) is None:
+            parallelize(
+                module,
+                mesh=mesh,
+                ring=ring,
+                plan=module_plan,
+                kernel=kernel,
+                loss_parallel=loss_parallel,
+                check_steps=check_steps,
+            )
+
+
 class _ContextParallel:
     """What the Lightning and the Fabric strategies share."""
 
     def _init_cp(self, cp, ring, plan, loss_parallel, kernel, allow_cross_node, check_steps) -> None:
-        self.cp = _check_int("cp", cp)
-        self.ring = _check_int("ring", ring)
-        if cp % ring != 0:
-            raise ValueError(
-                f"ring={ring} must divide cp={cp} (cp = ring x ulysses); pick ring from the divisors of cp."
-            )
-        if plan is not None and not isinstance(plan, Mapping):
-            raise TypeError(f"plan must be a dict of module path -> CP plan, got {type(plan).__name__}.")
-        if kernel is not None:
-            get_kernel(kernel)
-        if check_steps < 0:
-            raise ValueError(f"check_steps must be >= 0, got {check_steps}.")
+        check_cp_options(cp, ring, plan, kernel, check_steps)
+        self.cp, self.ring = cp, ring
         self.plan, self.loss_parallel, self.kernel = plan, bool(loss_parallel), kernel
         self.allow_cross_node, self.check_steps = allow_cross_node, check_steps
         self._mesh: DeviceMesh | None = None
@@ -109,14 +181,7 @@ class _ContextParallel:
         self._mesh = build_mesh(self.cp, ring=self.ring, device_type=self.root_device.type, allow_cross_node=True)
         # Noise and timesteps drawn in training_step must be equal on CP peers and differ across dp
         # ranks, whether or not the user seeded: one base seed for the job, offset by the dp rank.
-        base = os.environ.get("PL_GLOBAL_SEED")
-        if base is None:
-            shared = [random.SystemRandom().randrange(2**31)]
-            dist.broadcast_object_list(shared, src=0)
-            base = shared[0]
-        seed = (int(base) + 1_000_003 * self.dp_rank) % 2**63
-        torch.manual_seed(seed)  # CPU and every CUDA device
-        random.seed(seed)
+        seed_by_dp_rank(self.dp_rank, os.environ.get("PL_GLOBAL_SEED"))
 
     def _gather_rng_states(self) -> dict[int, dict]:
         local = {"torch": torch.get_rng_state(), "python": random.getstate()}
@@ -141,45 +206,16 @@ class _ContextParallel:
             torch.cuda.set_rng_state_all(state["cuda"])
 
     # -- model ----------------------------------------------------------------------------------
-    def _targets(self, root: nn.Module) -> list[tuple[str, nn.Module, Mapping | None]]:
-        if self.plan is not None:
-            targets = []
-            for path, module_plan in self.plan.items():
-                try:
-                    targets.append((path, root.get_submodule(path), module_plan))
-                except AttributeError:
-                    raise ValueError(
-                        f"plan names module {path!r}, which {type(root).__name__} does not have."
-                    ) from None
-            return targets
-        targets, covered = [], []
-        for name, module in root.named_modules():
-            if getattr(module, "_cp_plan", None) and not any(name.startswith(c + ".") or c == "" for c in covered):
-                targets.append((name, module, None))
-                covered.append(name)
-        if not targets:
-            raise ValueError(
-                f"no submodule of {type(root).__name__} has a diffusers `_cp_plan`, so there is nothing to split. "
-                "Pass ContextParallelStrategy(plan={'path.to.module': {...}}) with a plan per module, in diffusers' "
-                "ContextParallelInput/ContextParallelOutput vocabulary."
-            )
-        return targets
-
     def _parallelize(self, root: nn.Module) -> None:
-        targets = self._targets(root)
-        for _, module, module_plan in targets:  # validate every target before the first collective
-            resolve_plan(module, module_plan)
-        for _, module, module_plan in targets:
-            if parallel_state(module) is None:
-                parallelize(
-                    module,
-                    mesh=self.device_mesh,
-                    ring=self.ring,
-                    plan=module_plan,
-                    kernel=self.kernel,
-                    loss_parallel=self.loss_parallel,
-                    check_steps=self.check_steps,
-                )
+        parallelize_targets(
+            root,
+            mesh=self.device_mesh,
+            plan=self.plan,
+            ring=self.ring,
+            kernel=self.kernel,
+            loss_parallel=self.loss_parallel,
+            check_steps=self.check_steps,
+        )
 
     def _register_cp_hook(self, ddp: nn.parallel.DistributedDataParallel) -> None:
         if self.loss_parallel:

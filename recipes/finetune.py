@@ -50,6 +50,15 @@ def per_sample_noise(latents: torch.Tensor, index: torch.Tensor, seed: int, epoc
     return noise, t.to(latents.device)
 
 
+def flow_matching_loss(pred: torch.Tensor, target: torch.Tensor, transformer, step: int) -> torch.Tensor:
+    """MSE in fp32 between the model output and the flow-matching target; a non-finite loss is an error."""
+    # loss_shard: the target's shard in loss-parallel mode, the target itself otherwise
+    loss = F.mse_loss(pred.float(), loss_shard(target, transformer).float())
+    if not math.isfinite(loss.item()):
+        raise FloatingPointError(f"non-finite loss {loss.item()} at step {step}")
+    return loss
+
+
 class FlowMatchingFineTune(L.LightningModule):
     """Flow matching: x_t = (1 - t) x_0 + t noise, the model predicts noise - x_0 (MSE).
 
@@ -108,10 +117,7 @@ class FlowMatchingFineTune(L.LightningModule):
 
     def training_step(self, batch, batch_idx):
         pred, target = self.predict(batch)
-        # loss_shard: the target's shard in loss-parallel mode, the target itself otherwise
-        loss = F.mse_loss(pred.float(), loss_shard(target, self.transformer).float())
-        if not math.isfinite(loss.item()):
-            raise FloatingPointError(f"non-finite loss {loss.item()} at step {self.global_step}")
+        loss = flow_matching_loss(pred, target, self.transformer, self.global_step)
         self.log("train_loss", loss, prog_bar=True, sync_dist=True)
         return loss
 
