@@ -1,0 +1,264 @@
+"""Context parallelism in an ordinary Hugging Face Accelerate training loop.
+
+    accelerator = Accelerator()
+    cp = ContextParallel(accelerator, cp=2)            # (dp, cp) mesh, RNG seeded per dp rank
+    model, optimizer, loader = cp.prepare(model, optimizer, loader)
+    for batch in loader:                                # CP peers get the same batch
+        with accelerator.accumulate(model):
+            loss = loss_fn(model(batch))
+            accelerator.backward(loss)
+            accelerator.clip_grad_norm_(model.parameters(), 1.0)
+            optimizer.step()
+            optimizer.zero_grad()
+
+The same engine and gradient math as :class:`cp_lightning.ContextParallelStrategy`, in the same fixed
+order: validate (pure arithmetic on Accelerate's process state, before any collective), build the mesh,
+seed per dp rank, :func:`cp_lightning.parallelize` every module with a plan, then Accelerate's own DDP
+wrapping with the strategy's communication hook (SUM over cp, MEAN over dp, one all-reduce per
+bucket). After that hook every rank holds the full gradient, so ``accelerator.clip_grad_norm_`` and
+the optimizer see exactly what one process would. Data loaders are sharded by dp rank with Accelerate's
+own ``prepare_data_loader``. Accelerate's own context parallelism (``ParallelismConfig(cp_size=...)``)
+needs FSDP2 and forces causal attention; FSDP, DeepSpeed and Megatron plugins are refused here.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import DataLoader
+
+from cp_lightning.mesh import CP, DP, _local_world_size, build_mesh, validate_degrees
+from cp_lightning.plan import resolve_plan
+from cp_lightning.strategy import (
+    _sum_cp_mean_dp_hook,
+    check_cp_options,
+    parallelize_targets,
+    plan_targets,
+    seed_by_dp_rank,
+)
+
+__all__ = ["ContextParallel", "prepare_context_parallel"]
+
+
+def _check_accelerator(accelerator, cp: int, ring: int, allow_cross_node: bool) -> None:
+    """Refuse what this integration cannot run exactly; reads only local state (no collectives)."""
+    from accelerate import Accelerator
+    from accelerate.utils import DDPCommunicationHookType
+
+    if not isinstance(accelerator, Accelerator):
+        raise TypeError(f"expected an accelerate.Accelerator, got {type(accelerator).__name__}.")
+    kind = accelerator.distributed_type.value
+    # A plugin also shows in the environment (set by the Accelerator or `accelerate launch --use_fsdp`), even
+    # where Accelerate ignores it (FSDP on CPU processes falls back to DDP without a word).
+    for plugin in ("FSDP", "DEEPSPEED", "MEGATRON_LM"):
+        if os.environ.get(f"ACCELERATE_USE_{plugin}", "false").lower() == "true":
+            kind = plugin
+    if kind in ("FSDP", "DEEPSPEED", "MEGATRON_LM", "XLA"):
+        raise ValueError(
+            f"cp_lightning's Accelerate integration wraps the model in DDP with its own gradient hook and does not "
+            f"support {kind}. Remove the FSDP/DeepSpeed/Megatron plugin (Accelerator(fsdp_plugin=..., "
+            "deepspeed_plugin=...)) and the matching `accelerate config` / `accelerate launch --use_fsdp` or "
+            "`--use_deepspeed` options; plain multi-process launching (multi-GPU or --cpu) is what it needs."
+        )
+    config = getattr(accelerator, "parallelism_config", None)
+    if config is not None and (config.cp_enabled or config.tp_enabled or config.dp_shard_enabled):
+        raise ValueError(
+            f"the Accelerator has a ParallelismConfig with cp={config.cp_size}, tp={config.tp_size}, "
+            f"dp_shard={config.dp_shard_size}; cp_lightning replaces Accelerate's own context parallelism. Drop "
+            "parallelism_config and pass cp= to cp_lightning.accelerate instead."
+        )
+    handler = accelerator.ddp_handler
+    if handler is not None and handler.comm_hook != DDPCommunicationHookType.NO:
+        raise ValueError(
+            f"DistributedDataParallelKwargs(comm_hook={handler.comm_hook.value}) would replace the hook that sums "
+            "gradients over the CP group; drop comm_hook from the Accelerator's kwargs_handlers."
+        )
+    if accelerator.dispatch_batches:
+        raise ValueError(
+            "dispatch_batches=True sends every process its own slice of rank 0's batch, but CP peers need the "
+            "same batch; use DataLoaderConfiguration(dispatch_batches=False)."
+        )
+    world = accelerator.num_processes
+    if world == 1 and cp > 1:
+        raise ValueError(
+            f"cp={cp} needs cp processes, but Accelerate runs 1. Launch with `accelerate launch --num_processes {cp} "
+            "...` (or a multiple of cp; add --cpu on a machine without GPUs), or use cp=1."
+        )
+    if world % cp != 0:
+        raise ValueError(
+            f"cp={cp} must divide the number of processes ({world}); the data-parallel degree is their quotient. "
+            f"Pick cp from the divisors of {world}, or launch a multiple of {cp} processes "
+            f"(`accelerate launch --num_processes {cp * max(1, world // cp)} ...`)."
+        )
+    validate_degrees(cp, ring, world, _local_world_size(), allow_cross_node=allow_cross_node)
+
+
+def _check_model(accelerator, model: nn.Module, plan: Mapping | None) -> None:
+    if isinstance(model, DistributedDataParallel) or type(model).__name__ in (
+        "FullyShardedDataParallel",
+        "DeepSpeedEngine",
+    ):
+        raise TypeError(
+            f"the model is already wrapped in {type(model).__name__} (did accelerator.prepare see it?). Pass the bare "
+            "model to ContextParallel.prepare; it parallelizes it, then wraps it for data parallelism itself."
+        )
+    if any(p.__class__.__name__ == "DTensor" for p in model.parameters()):
+        raise TypeError("the model has DTensor (sharded) parameters; cp_lightning's Accelerate integration needs DDP.")
+    if any(model is m for m in accelerator._models):
+        raise ValueError(
+            "this model was already passed to accelerator.prepare; pass it to ContextParallel.prepare instead."
+        )
+    for _, module, module_plan in plan_targets(model, plan):
+        resolve_plan(module, module_plan)
+
+
+class ContextParallel:
+    """Context parallelism over groups of ``cp`` processes of an Accelerate job; data parallel across them.
+
+    Construction validates the layout against ``accelerator`` (before any collective), builds the
+    ``(dp, cp)`` mesh and seeds torch's and Python's RNG with one job seed offset by the dp rank, so
+    noise drawn in the loop is equal on CP peers and differs across dp ranks.
+
+    Args:
+        accelerator: a plain (DDP or single-process) ``accelerate.Accelerator``.
+        cp: context-parallel degree (consecutive ranks of a node); dp = num_processes / cp.
+        ring: ring degree inside cp (cp = ring x ulysses); 1 is pure Ulysses.
+        plan: ``{module_path: plan}`` for modules without a diffusers ``_cp_plan``; by default every
+            submodule of a prepared model that has one is parallelized.
+        kernel: local attention kernel for ring attention (see ``cp_lightning.kernels``).
+        check_steps: training forward passes during which CP peers' inputs are checked to be identical.
+        seed: base of the per-dp-rank seed; by default rank 0's ``torch.initial_seed()`` (the value of
+            ``accelerate.utils.set_seed`` if you called it before).
+        allow_cross_node: let a CP group span nodes.
+    """
+
+    def __init__(
+        self,
+        accelerator,
+        *,
+        cp: int,
+        ring: int = 1,
+        plan: Mapping | None = None,
+        kernel: str | None = None,
+        check_steps: int = 2,
+        seed: int | None = None,
+        allow_cross_node: bool = False,
+    ) -> None:
+        check_cp_options(cp, ring, plan, kernel, check_steps)
+        _check_accelerator(accelerator, cp, ring, allow_cross_node)
+        self.accelerator, self.cp, self.ring = accelerator, cp, ring
+        self.plan, self.kernel, self.check_steps = plan, kernel, check_steps
+        self.mesh: DeviceMesh | None = None
+        if accelerator.num_processes == 1:  # cp=1 on one process: plain Accelerate, same script
+            self.seed = seed if seed is not None else torch.initial_seed()
+            torch.manual_seed(self.seed)
+            return
+        self.mesh = build_mesh(cp, ring=ring, device_type=accelerator.device.type, allow_cross_node=True)
+        self.seed = seed_by_dp_rank(self.dp_rank, seed if seed is not None else torch.initial_seed())
+
+    @property
+    def dp_size(self) -> int:
+        return self.mesh[DP].size() if self.mesh is not None else 1
+
+    @property
+    def dp_rank(self) -> int:
+        return self.mesh[DP].get_local_rank() if self.mesh is not None else 0
+
+    @property
+    def cp_rank(self) -> int:
+        return self.mesh[CP].get_local_rank() if self.mesh is not None else 0
+
+    def prepare(self, *objects: Any) -> Any:
+        """Like ``accelerator.prepare``: models are parallelized and DDP-wrapped with exact gradient math,
+        data loaders sharded by dp rank, anything else (optimizers, schedulers) passed to
+        ``accelerator.prepare``. Everything is validated before the first collective.
+        Returns the prepared objects in order (one object unpacked)."""
+        for obj in objects:
+            if isinstance(obj, nn.Module):
+                _check_model(self.accelerator, obj, self.plan)
+            elif isinstance(obj, DataLoader) and getattr(obj, "_is_accelerate_prepared", False):
+                raise ValueError(
+                    "this DataLoader was already prepared by accelerator.prepare, which shards it over all "
+                    f"{self.accelerator.num_processes} processes; CP peers need the same batch. Pass the original "
+                    "DataLoader to ContextParallel.prepare."
+                )
+        prepared: list[Any] = [None] * len(objects)
+        others = []
+        for i, obj in enumerate(objects):
+            if isinstance(obj, nn.Module):
+                prepared[i] = self._prepare_model(obj)
+            elif isinstance(obj, DataLoader):
+                prepared[i] = self._prepare_data_loader(obj)
+            else:
+                others.append(i)
+        if others:  # one call, in order: a scheduler is matched to the optimizer prepared with it
+            result = self.accelerator.prepare(*(objects[i] for i in others))
+            result = result if len(others) > 1 else (result,)
+            for i, obj in zip(others, result, strict=True):
+                prepared[i] = obj
+        return prepared[0] if len(prepared) == 1 else tuple(prepared)
+
+    def _prepare_model(self, model: nn.Module) -> nn.Module:
+        if self.mesh is None:
+            return self.accelerator.prepare_model(model)
+        parallelize_targets(
+            model,
+            mesh=self.mesh,
+            plan=self.plan,
+            ring=self.ring,
+            kernel=self.kernel,
+            loss_parallel=False,
+            check_steps=self.check_steps,
+        )
+        wrapped = self.accelerator.prepare_model(model)  # device placement, autocast, DDP over dp x cp
+        if isinstance(wrapped, DistributedDataParallel):  # not wrapped: nothing trainable, nothing to reduce
+            # Each CP rank's gradient is its shard's part: SUM over cp, MEAN over dp (DDP alone divides by dp x cp).
+            wrapped.register_comm_hook(state=self.dp_size, hook=_sum_cp_mean_dp_hook)
+        return wrapped
+
+    def _prepare_data_loader(self, loader: DataLoader):
+        if self.mesh is None:
+            return self.accelerator.prepare_data_loader(loader)
+        from accelerate.data_loader import prepare_data_loader
+
+        acc = self.accelerator
+        # Accelerate's own sharding with the data-parallel axis as the "processes": CP peers share a shard.
+        prepared = prepare_data_loader(
+            loader,
+            acc.device,
+            num_processes=self.dp_size,
+            process_index=self.dp_rank,
+            split_batches=acc.split_batches,
+            put_on_device=acc.device_placement,
+            rng_types=acc.rng_types.copy(),
+            dispatch_batches=False,
+            even_batches=acc.even_batches,
+            use_seedable_sampler=acc.use_seedable_sampler,
+            data_seed=acc.dataloader_config.data_seed,
+            non_blocking=acc.non_blocking,
+            use_stateful_dataloader=acc.use_stateful_dataloader,
+        )
+        acc._dataloaders.append(prepared)  # what accelerator.prepare does: save_state/load_state see its sampler
+        return prepared
+
+    def gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        """``accelerator.gather`` without the CP duplicates: one copy per dp rank, in dp order.
+
+        ``accelerator.gather`` returns every process's tensor; CP peers hold identical ones, so its mean is
+        already the global mean, but per-sample values appear cp times."""
+        gathered = self.accelerator.gather(tensor)
+        if self.mesh is None or self.cp == 1:
+            return gathered
+        # dp*cp*n, ... -> dp, cp, n, ... : keep cp rank 0's copy
+        return gathered.unflatten(0, (self.dp_size, self.cp, -1))[:, 0].flatten(0, 1)
+
+
+def prepare_context_parallel(accelerator, *objects: Any, cp: int, ring: int = 1, plan: Mapping | None = None, **kwargs):
+    """One call: ``ContextParallel(accelerator, cp=..., ...).prepare(*objects)``; returns the prepared objects."""
+    return ContextParallel(accelerator, cp=cp, ring=ring, plan=plan, **kwargs).prepare(*objects)
