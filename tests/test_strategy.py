@@ -65,6 +65,11 @@ SGD_CASES = {
     "usp_cp4_ring2": (dict(), dict(degree=4, ring=2)),
     "checkpointing": (dict(checkpointing=True), dict(degree=2)),
     "lora": (dict(lora=True, lr=0.5), dict(degree=2)),
+    # lengths cp does not divide: 33 image + 13 text tokens over 2 ranks, 61 + 13 over 4 (USP);
+    # loss-parallel there weighs each rank's loss by its share of the tokens
+    "odd_length_dp2xcp2": (dict(tokens=33, text_tokens=13), dict(degree=2)),
+    "odd_length_usp_cp4_ring2": (dict(tokens=61, text_tokens=13), dict(degree=4, ring=2)),
+    "odd_length_loss_parallel": (dict(tokens=33, text_tokens=13), dict(degree=2, loss_parallel=True)),
 }
 
 
@@ -74,8 +79,9 @@ def test_sgd_trajectory_matches_one_process(case):
     torch.manual_seed(0)
     module = FlowMatching(optimizer="sgd", **module_kwargs)
     start = {n: p.detach().clone() for n, p in module.named_parameters()}
-    reference = reference_params(module, Samples(), GLOBAL_BATCH, STEPS, clip=None)
-    params = fit(module, cp(**strategy_kwargs))
+    samples = Samples(**{k: v for k, v in module_kwargs.items() if k in ("tokens", "text_tokens")})
+    reference = reference_params(module, samples, GLOBAL_BATCH, STEPS, clip=None)
+    params = fit(module, cp(**strategy_kwargs), dataset=samples)
     err = param_rel_err(params, reference)
     update_err = update_rel_err(params, reference, start)
     moved = param_rel_err(start, reference)
