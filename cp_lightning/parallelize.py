@@ -34,6 +34,7 @@ class ParallelState:
     attention_modules: list[tuple[str, nn.Module]]
     check: ConsistencyCheck
     loss_parallel: bool
+    split: SplitState  # split.even: every split so far divided evenly over the CP ranks
 
 
 def parallelize(
@@ -99,7 +100,7 @@ def parallelize(
     handles = apply_plan(entries, groups.cp, check=check, gather=not loss_parallel, state=state)
     handles.append(module.register_forward_pre_hook(lambda mod, _args: check.on_forward(mod)))
     attention.route_processors(found, attention.ContextParallelAttention(groups, kernel, state))
-    setattr(module, _STATE, ParallelState(mesh, groups, handles, found, check, loss_parallel))
+    setattr(module, _STATE, ParallelState(mesh, groups, handles, found, check, loss_parallel, state))
     return module
 
 

@@ -77,3 +77,18 @@ def test_max_sequence_brackets_the_budget(capsys):
     over = [tokens for tokens, peak, _ in row["probes"] if peak > budget_mib * 2**20]
     assert over and 0 < min(over) - row["tokens"] <= 64, row["probes"]
     assert "| 2 | ulysses |" in capsys.readouterr().out
+
+
+def test_uneven_overhead_benchmark_runs_every_mode(capsys):
+    from benchmarks import uneven_overhead
+
+    rows = uneven_overhead.main(
+        ["--cp", "2", "--tokens", "64", "--text-tokens", "8", "--layers", "1", "--repeats", "1"]
+    )
+    assert [r["mode"] for r in rows] == ["ulysses", "ring"]  # USP needs cp >= 4
+    for r in rows:
+        # the divisible run never leaves the even path; the uneven one does
+        assert r["divisible"]["even"] and not r["uneven"]["even"], r
+        assert (r["uneven"]["tokens"], r["uneven"]["text_tokens"]) == (63, 7)
+        assert r["divisible"]["time"] > 0 and r["uneven"]["time"] > 0, r
+    assert "| ring | 64 + 8 | 63 + 7 |" in capsys.readouterr().out
