@@ -1,8 +1,9 @@
 """Every shipped config parses with the recipe's CLI, and real-checkpoint configs fit their model.
 
 Real checkpoints cannot be downloaded here, so the architecture is built from a shipped config on the
-meta device (no weights) and checked against the config's CP layout: plan, head counts and token
-counts divisible by the degrees, before any GPU is ever involved.
+meta device (no weights) and checked against the config's CP layout: plan, a head for every Ulysses
+rank, and token counts the configs keep divisible by cp (any length works, but equal shares balance
+the GPUs and match the per-GPU figures the configs state), before any GPU is ever involved.
 """
 
 from __future__ import annotations
@@ -61,7 +62,7 @@ def test_real_config_fits_its_architecture(config):
     cp_args = raw["trainer"]["strategy"]["init_args"]
     cp, ring = cp_args["cp"], cp_args.get("ring", 1)
     resolve_plan(model, None)
-    check_processors(model, cp // ring)  # heads divisible by the Ulysses degree
+    check_processors(model, cp // ring)  # a head for every Ulysses rank
     data = raw["data"]
     height, width = data["resolution"] // 8, data.get("width", data["resolution"]) // 8  # the VAEs downsample 8x
     tokens = (height // 2) * (width // 2)  # 2x2 patches
