@@ -140,28 +140,35 @@ class Meter:
 def measure(
     model, inputs, *, device: torch.device, warmup: int, repeats: int, run: Callable = step, group=None
 ) -> dict:
-    """Warm up, then time ``repeats`` steps; returns peak bytes (max), median seconds and bytes sent."""
+    """Warm up, then time ``repeats`` steps; returns peak bytes (max), median wall and CPU seconds, bytes sent."""
     from cp_lightning import collectives
 
     for _ in range(warmup):
         run(model, inputs)
         model.zero_grad(set_to_none=True)
-    meter, peaks, times, sent = Meter(device), [], [], Counter()
+    meter, peaks, times, cpu, sent = Meter(device), [], [], [], Counter()
     for i in range(repeats):
         if dist.is_initialized():
             dist.barrier(group)
         meter.start()
-        start = time.perf_counter()
+        start, start_cpu = time.perf_counter(), time.process_time()
         with collectives.count_bytes() as counted:
             run(model, inputs)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         times.append(time.perf_counter() - start)
+        cpu.append(time.process_time() - start_cpu)
         peaks.append(meter.peak())
         if i == 0:
             sent = counted
         model.zero_grad(set_to_none=True)
-    return {"peak": max(peaks), "time": statistics.median(times), "times": times, "sent": dict(sent)}
+    return {
+        "peak": max(peaks),
+        "time": statistics.median(times),
+        "times": times,
+        "cpu": statistics.median(cpu),  # this process's CPU seconds, all its threads: robust to other load
+        "sent": dict(sent),
+    }
 
 
 # ----- launching ------------------------------------------------------------------------------------

@@ -220,6 +220,7 @@ def _row(cp: int, variant: tuple[str, str], per_rank: list[dict]) -> dict:
         "mode": variant[1],
         "peak": max(r["peak"] for r in per_rank),
         "time": max(r["time"] for r in per_rank),
+        "cpu": sum(r["cpu"] for r in per_rank),
         "sent": max(sum(r["sent"].values()) for r in per_rank),
     }
 
@@ -230,17 +231,18 @@ def render(rows: list[dict], args) -> str:
         other = next(
             (o for o in rows if o["cp"] == r["cp"] and o["mode"] == r["mode"] and o["impl"] == "diffusers"), None
         )
-        peak, time, sent = (f"{r[k] / other[k]:.2f}" if other else "-" for k in ("peak", "time", "sent"))
+        peak, time, cpu, sent = (f"{r[k] / other[k]:.2f}" if other else "-" for k in ("peak", "time", "cpu", "sent"))
         body.append(
             [r["cp"], r["mode"], r["impl"], common.mib(r["peak"]), peak, f"{r['time']:.2f}", time]
-            + [common.mib(r["sent"]), sent]
+            + [f"{r['cpu']:.1f}", cpu, common.mib(r["sent"]), sent]
         )
     headers = ["cp", "mode", "impl", "peak MiB/rank", "vs diffusers", "step s", "vs diffusers"]
-    headers += ["MiB sent/rank", "vs diffusers"]
+    headers += ["CPU s", "vs diffusers", "MiB sent/rank", "vs diffusers"]
     title = (
         f"Flux-architecture, {args.layers}+{args.layers} blocks, {args.heads} heads x {args.head_dim}, batch 1 x "
         f"({args.tokens} + {args.text_tokens}) tokens, fp32, {common.machine_line(common.device())}, one thread per "
-        f"process; step time = median of {args.repeats} after {args.warmup} warm-up"
+        f"process; step time = median of {args.repeats} after {args.warmup} warm-up; CPU s = the step's CPU "
+        "seconds summed over ranks"
     )
     return title + "\n\n" + common.table(headers, body)
 

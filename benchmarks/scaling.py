@@ -72,6 +72,7 @@ def _row(cp: int, mode: str, ring: int, per_rank: list[dict], threads: int, args
         "threads": threads,
         "peak": max(r["peak"] for r in per_rank),
         "time": max(r["time"] for r in per_rank),
+        "cpu": sum(r["cpu"] for r in per_rank),
         "sent": max(sum(r["sent"].values()) for r in per_rank),
         "formula": formula,
     }
@@ -104,17 +105,19 @@ def render(rows: list[dict], args) -> str:
                 ratio_mem,
                 f"{r['time']:.2f}",
                 ratio_time,
+                f"{r['cpu']:.1f}",
                 common.mib(r["sent"]),
                 common.mib(r["formula"]),
                 exact,
             ]
         )
-    headers = ["cp", "mode", "ring", "procs x threads", "peak MiB/rank", "vs cp=1", "step s", "vs cp=1"]
+    headers = ["cp", "mode", "ring", "procs x threads", "peak MiB/rank", "vs cp=1", "step s", "vs cp=1", "CPU s"]
     headers += ["MiB sent/rank", "formula MiB", "sent/formula"]
     title = (
         f"Flux-architecture, {args.layers}+{args.layers} blocks, {args.heads} heads x {args.head_dim}, batch 1 x "
         f"({args.tokens} + {args.text_tokens}) tokens, fp32, {common.machine_line(common.device())}; "
-        f"step time = median of {args.repeats} after {args.warmup} warm-up"
+        f"step time = median of {args.repeats} after {args.warmup} warm-up; CPU s = the step's CPU seconds summed "
+        "over ranks"
     )
     return title + "\n\n" + common.table(headers, body)
 
