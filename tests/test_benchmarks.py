@@ -29,7 +29,7 @@ def test_scaling_benchmark_rows_bytes_and_plot(capsys, tmp_path):
     rows = out["rows"]
     assert [(r["cp"], r["mode"], r["ring"]) for r in rows] == [(1, "none", 1), (2, "ring", 2)]
     for row in rows:
-        assert row["peak"] > 0 and row["time"] > 0, row
+        assert row["peak"] > 0 and row["time"] > 0 and row["cpu"] > 0, row
     assert rows[0]["sent"] == 0
     assert abs(rows[1]["sent"] - rows[1]["formula"]) <= 0.05 * rows[1]["formula"], rows[1]
     assert (tmp_path / "scaling.png").stat().st_size > 0
