@@ -12,8 +12,8 @@ Working around diffusers on CPU, here and nowhere in the package (DESIGN.md sect
   :func:`apply_diffusers_cp` does its steps by hand: builds the ("ring", "ulysses") mesh and the
   ContextParallelConfig / ParallelConfig, sets the config on every attention processor and installs
   diffusers' split/gather hooks with its own ``apply_context_parallel``.
-- diffusers' ring needs an attention backend that returns the log-sum-exp, and its CPU ("native")
-  backend does not. :func:`_native_with_lse` gives diffusers' own ring algorithm
+- diffusers' ring needs an attention backend that returns the log-sum-exp, and its default
+  ("native", the only one on CPU) backend does not. :func:`_native_with_lse` gives diffusers' own ring algorithm
   (``TemplatedRingAttention``: all-gather K/V up front, merge, accumulator ring in backward) the
   same CPU flash kernel cp_lightning's ring uses, so the two rings differ only in algorithm.
   Note: diffusers' ring backward passes dK/dV accumulators to rank r+1 where they belong at r-1, so
@@ -60,7 +60,7 @@ def apply_diffusers_cp(model, *, cp: int, ring: int, device: torch.device) -> No
         if processor is not None and hasattr(processor, "_parallel_config"):
             processor._parallel_config = config
     apply_context_parallel(model, cp_config, model._cp_plan)
-    if ring > 1 and device.type == "cpu":
+    if ring > 1:  # on CUDA too: both rings then run the same local kernel (cp_lightning.kernels.pick_kernel)
         _native_with_lse()
     _count_diffusers_bytes()
 
