@@ -133,6 +133,10 @@ class ContextParallel:
             submodule of a prepared model that has one is parallelized.
         kernel: local attention kernel for ring attention (see ``cp_lightning.kernels``).
         check_steps: training forward passes during which CP peers' inputs are checked to be identical.
+        loss_parallel: leave the model's output sharded; compute the loss on each rank's shard with the
+            target cut by ``cp_lightning.loss_shard(target, model)``. The loss must be a per-token mean;
+            DDP's plain mean over dp x cp is then exact (also for lengths cp does not divide), so no
+            gradient hook is installed.
         seed: base of the per-dp-rank seed; by default rank 0's ``torch.initial_seed()`` (the value of
             ``accelerate.utils.set_seed`` if you called it before).
         allow_cross_node: let a CP group span nodes.
@@ -147,6 +151,7 @@ class ContextParallel:
         plan: Mapping | None = None,
         kernel: str | None = None,
         check_steps: int = 2,
+        loss_parallel: bool = False,
         seed: int | None = None,
         allow_cross_node: bool = False,
     ) -> None:
@@ -154,6 +159,7 @@ class ContextParallel:
         _check_accelerator(accelerator, cp, ring, allow_cross_node)
         self.accelerator, self.cp, self.ring = accelerator, cp, ring
         self.plan, self.kernel, self.check_steps = plan, kernel, check_steps
+        self.loss_parallel = bool(loss_parallel)
         self.mesh: DeviceMesh | None = None
         if accelerator.num_processes == 1:  # cp=1 on one process: plain Accelerate, same script
             self.seed = seed if seed is not None else torch.initial_seed()
@@ -213,11 +219,12 @@ class ContextParallel:
             plan=self.plan,
             ring=self.ring,
             kernel=self.kernel,
-            loss_parallel=False,
+            loss_parallel=self.loss_parallel,
             check_steps=self.check_steps,
         )
         wrapped = self.accelerator.prepare_model(model)  # device placement, autocast, DDP over dp x cp
-        if isinstance(wrapped, DistributedDataParallel):  # not wrapped: nothing trainable, nothing to reduce
+        # not wrapped: nothing trainable, nothing to reduce; loss-parallel: DDP's own mean is exact
+        if isinstance(wrapped, DistributedDataParallel) and not self.loss_parallel:
             # Each CP rank's gradient is its shard's part: SUM over cp, MEAN over dp (DDP alone divides by dp x cp).
             wrapped.register_comm_hook(state=self.dp_size, hook=_sum_cp_mean_dp_hook)
         return wrapped

@@ -32,9 +32,13 @@ class Task(FlowMatching):
         return self.loss(batch)
 
 
-def make_task(noise: str = "sample") -> Task:
+# 33 image + 13 text tokens: lengths cp=2 does not divide (uneven shards)
+ODD = {"tokens": 33, "text_tokens": 13}
+
+
+def make_task(noise: str = "sample", shape: dict | None = None) -> Task:
     with torch.random.fork_rng():  # tiny_model seeds the global RNG; keep the per-dp-rank seeds intact
-        return Task(noise=noise)
+        return Task(noise=noise, **(shape or {}))
 
 
 def optimizer(kind: str, params):
@@ -103,14 +107,14 @@ def train(accelerator, model, opt, loader, steps, clip=None, start_epoch=0, afte
     return records
 
 
-def run_cp(kind, clip=None, samples=12, accumulation=1, steps=STEPS, **cp_kwargs):
+def run_cp(kind, clip=None, samples=12, accumulation=1, steps=STEPS, shape=None, **cp_kwargs):
     from cp_lightning.accelerate import ContextParallel
 
     accelerator = fresh_accelerator(gradient_accumulation_steps=accumulation)
     cpx = ContextParallel(accelerator, cp=2, seed=0, **cp_kwargs)
-    model = make_task()
+    model = make_task(shape=shape)
     opt = optimizer(kind, model.parameters())
-    loader = DataLoader(Samples(n=samples), batch_size=PER_RANK_BATCH, shuffle=True)
+    loader = DataLoader(Samples(n=samples, **(shape or {})), batch_size=PER_RANK_BATCH, shuffle=True)
     model, opt, loader = cpx.prepare(model, opt, loader)
     records = train(accelerator, model, opt, loader, steps, clip=clip)
     first = next(iter(loader))
@@ -127,7 +131,7 @@ def error_cases(rank):
     """Each bad configuration, on every rank, before any collective (a half-entered one would hang the rest)."""
     from unittest import mock
 
-    from accelerate import FullyShardedDataParallelPlugin
+    from accelerate import FullyShardedDataParallelPlugin, ParallelismConfig
     from accelerate.utils import DDPCommunicationHookType, DistributedDataParallelKwargs, DistributedType
 
     from cp_lightning.accelerate import ContextParallel
@@ -146,6 +150,9 @@ def error_cases(rank):
     accelerator = fresh_accelerator()
     with mock.patch.object(type(accelerator), "distributed_type", new=DistributedType.DEEPSPEED):
         out["deepspeed"] = message(lambda: ContextParallel(accelerator, cp=2))
+    accelerator = fresh_accelerator()  # Accelerate's own CP (FSDP2 only); set on the object, as its init would
+    with mock.patch.object(accelerator.state, "parallelism_config", new=ParallelismConfig(cp_size=2)):
+        out["parallelism_config"] = message(lambda: ContextParallel(accelerator, cp=2))
     hook = DistributedDataParallelKwargs(comm_hook=DDPCommunicationHookType.FP16)
     out["comm_hook"] = message(lambda: ContextParallel(fresh_accelerator(kwargs_handlers=[hook]), cp=2))
     accelerator = fresh_accelerator()
@@ -162,6 +169,8 @@ def cp_worker(rank, world, tmp):
     out["sgd"] = run_cp("sgd")
     out["adamw"] = run_cp("adamw", clip=CLIP)
     out["accumulate"] = run_cp("sgd", samples=16, accumulation=2, steps=3)
+    out["odd_length"] = run_cp("sgd", shape=ODD)
+    out["odd_length_loss_parallel"] = run_cp("sgd", shape=ODD, loss_parallel=True)
     out["resume"] = resume_case(Path(tmp))
     return portable(out)
 
@@ -239,12 +248,12 @@ def global_batches(results, dp_ranks, case=None, micro_per_step=1):
     ]
 
 
-def reference(kind, batches, clip=None, samples=12):
+def reference(kind, batches, clip=None, samples=12, shape=None):
     """One process, one optimizer step per global batch; returns (params, start params, losses, norms)."""
-    model = make_task()
+    model = make_task(shape=shape)
     start = params_of(model)
     opt = optimizer(kind, model.parameters())
-    data, losses, norms = Samples(n=samples), [], []
+    data, losses, norms = Samples(n=samples, **(shape or {})), [], []
     for batch in batches:
         opt.zero_grad()
         loss = model(default_collate([data[i] for i in batch]))[0]
@@ -279,6 +288,17 @@ def test_sgd_trajectory_matches_one_process(cp_results):
     assert moved > 100 * SGD_TOL
     assert err <= SGD_TOL, err
     assert update_rel_err(params[0], ref, start) <= 1e-3  # a cp-times gradient scale error would be ~0.5
+
+
+@pytest.mark.parametrize("case", ["odd_length", "odd_length_loss_parallel"])
+def test_sgd_trajectory_at_a_length_cp_does_not_divide(cp_results, case):
+    params = cp_results[0][case]["params"]
+    ref, start, _, _ = reference("sgd", global_batches(cp_results, (0, 2), case), shape=ODD)
+    err = param_rel_err(params, ref)
+    print(f"accelerate dp2 x cp2, SGD, 33 + 13 tokens, {case}: max relative parameter error {err:.2e}")
+    assert param_rel_err(start, ref) > 100 * SGD_TOL
+    assert err <= SGD_TOL, err
+    assert update_rel_err(params, ref, start) <= 1e-3
 
 
 def test_gather_gives_the_global_loss_and_cp_gather_drops_duplicates(cp_results):
@@ -353,6 +373,7 @@ ERRORS = {
     "cp3": ("ValueError", "cp=3 must divide the number of processes (4)"),
     "fsdp": ("ValueError", "does not support FSDP"),
     "deepspeed": ("ValueError", "does not support DEEPSPEED"),
+    "parallelism_config": ("ValueError", "replaces Accelerate's own context parallelism"),
     "comm_hook": ("ValueError", "drop comm_hook"),
     "ddp_model": ("TypeError", "already wrapped in DistributedDataParallel"),
     "prepared_loader": ("ValueError", "already prepared by accelerator.prepare"),
