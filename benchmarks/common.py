@@ -72,6 +72,19 @@ def step(model, inputs) -> None:
     out.float().square().mean().backward()
 
 
+def add_model_args(parser, *, timing: bool = True) -> None:
+    """The options every script shares: the model's size, text tokens, the timeout, and (``timing``)
+    warm-up and timed repeats."""
+    parser.add_argument("--text-tokens", type=int, default=256)
+    parser.add_argument("--layers", type=int, default=2, help="double- and single-stream blocks each")
+    parser.add_argument("--heads", type=int, default=4)
+    parser.add_argument("--head-dim", type=int, default=32)
+    if timing:
+        parser.add_argument("--warmup", type=int, default=1)
+        parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--timeout", type=float, default=1800)
+
+
 # ----- formulas (DESIGN.md section 3) ---------------------------------------------------------------
 
 

@@ -252,16 +252,10 @@ def parse(argv=None):
     parser.add_argument("--cps", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
     parser.add_argument("--tokens", type=int, default=8192)
-    parser.add_argument("--text-tokens", type=int, default=256)
-    parser.add_argument("--layers", type=int, default=2, help="double- and single-stream blocks each")
-    parser.add_argument("--heads", type=int, default=4)
-    parser.add_argument("--head-dim", type=int, default=32)
-    parser.add_argument("--warmup", type=int, default=1)
-    parser.add_argument("--repeats", type=int, default=3)
+    common.add_model_args(parser)
     parser.add_argument(
         "--one-group", action="store_true", help="run every variant of a cp in one group (faster; for tests)"
     )
-    parser.add_argument("--timeout", type=float, default=1800)
     return parser.parse_args(argv)
 
 

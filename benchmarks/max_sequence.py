@@ -124,12 +124,8 @@ def parse(argv=None):
     parser.add_argument("--budget-mib", type=float, default=128)
     parser.add_argument("--first-probe", type=int, default=1024, help="first probe: this many tokens per rank")
     parser.add_argument("--granularity", type=int, default=256)
-    parser.add_argument("--text-tokens", type=int, default=256)
-    parser.add_argument("--layers", type=int, default=2, help="double- and single-stream blocks each")
-    parser.add_argument("--heads", type=int, default=4)
-    parser.add_argument("--head-dim", type=int, default=32)
+    common.add_model_args(parser, timing=False)
     parser.add_argument("--threads", type=int, default=2, help="CPU threads shared by a configuration's processes")
-    parser.add_argument("--timeout", type=float, default=1800)
     args = parser.parse_args(argv)
     if args.granularity % 4 or args.first_probe % args.granularity:
         parser.error("--granularity must be a multiple of 4 and divide --first-probe")
