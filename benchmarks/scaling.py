@@ -83,7 +83,7 @@ def configurations(args) -> list[tuple[int, str, int]]:
     for cp in args.cps:
         for mode in ("none",) if cp == 1 else args.modes:
             ring = ring_degree(mode, cp)
-            if ring is not None and args.heads % (cp // ring) == 0:
+            if ring is not None and args.heads >= cp // ring:  # each Ulysses rank needs a head
                 out.append((cp, mode, ring))
     return out
 
