@@ -54,6 +54,11 @@ def main() -> None:
     trainer.fit(module, DataLoader(Samples(), batch_size=args.global_batch // dp, shuffle=True))
     if args.out and trainer.is_global_zero:
         torch.save({n: p.detach() for n, p in module.named_parameters()}, args.out)
+    # An orderly exit: no rank tears its connections down while a peer (on another simulated node) is
+    # still using them, which gloo can answer with an abort at interpreter exit.
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
