@@ -11,8 +11,9 @@
             optimizer.step()
             optimizer.zero_grad()
 
-The same engine and gradient math as :class:`cp_lightning.ContextParallelStrategy`, in the same fixed
-order: validate (pure arithmetic on Accelerate's process state, before any collective), build the mesh,
+The same engine and gradient math as :class:`cp_lightning.ContextParallelStrategy` (both are adapters over
+:mod:`cp_lightning.data_parallel`), in the same fixed order: validate (pure arithmetic on Accelerate's
+process state, before any collective), build the mesh,
 seed per dp rank, :func:`cp_lightning.parallelize` every module with a plan, then Accelerate's own DDP
 wrapping with the strategy's communication hook (SUM over cp, MEAN over dp, one all-reduce per
 bucket). After that hook every rank holds the full gradient, so ``accelerator.clip_grad_norm_`` and
@@ -33,15 +34,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader
 
+from cp_lightning import data_parallel
 from cp_lightning.mesh import CP, DP, _local_world_size, build_mesh, validate_degrees
-from cp_lightning.plan import resolve_plan
-from cp_lightning.strategy import (
-    _sum_cp_mean_dp_hook,
-    check_cp_options,
-    parallelize_targets,
-    plan_targets,
-    seed_by_dp_rank,
-)
 
 __all__ = ["ContextParallel", "prepare_context_parallel"]
 
@@ -114,8 +108,7 @@ def _check_model(accelerator, model: nn.Module, plan: Mapping | None) -> None:
         raise ValueError(
             "this model was already passed to accelerator.prepare; pass it to ContextParallel.prepare instead."
         )
-    for _, module, module_plan in plan_targets(model, plan):
-        resolve_plan(module, module_plan)
+    data_parallel.check_targets(model, plan)
 
 
 class ContextParallel:
@@ -155,7 +148,7 @@ class ContextParallel:
         seed: int | None = None,
         allow_cross_node: bool = False,
     ) -> None:
-        check_cp_options(cp, ring, plan, kernel, check_steps)
+        data_parallel.check_cp_options(cp, ring, plan, kernel, check_steps)
         _check_accelerator(accelerator, cp, ring, allow_cross_node)
         self.accelerator, self.cp, self.ring = accelerator, cp, ring
         self.plan, self.kernel, self.check_steps = plan, kernel, check_steps
@@ -166,7 +159,7 @@ class ContextParallel:
             torch.manual_seed(self.seed)
             return
         self.mesh = build_mesh(cp, ring=ring, device_type=accelerator.device.type, allow_cross_node=True)
-        self.seed = seed_by_dp_rank(self.dp_rank, seed if seed is not None else torch.initial_seed())
+        self.seed = data_parallel.seed_by_dp_rank(self.dp_rank, seed if seed is not None else torch.initial_seed())
 
     @property
     def dp_size(self) -> int:
@@ -213,7 +206,7 @@ class ContextParallel:
     def _prepare_model(self, model: nn.Module) -> nn.Module:
         if self.mesh is None:
             return self.accelerator.prepare_model(model)
-        parallelize_targets(
+        data_parallel.parallelize_targets(
             model,
             mesh=self.mesh,
             plan=self.plan,
@@ -224,9 +217,9 @@ class ContextParallel:
         )
         wrapped = self.accelerator.prepare_model(model)  # device placement, autocast, DDP over dp x cp
         # not wrapped: nothing trainable, nothing to reduce; loss-parallel: DDP's own mean is exact
-        if isinstance(wrapped, DistributedDataParallel) and not self.loss_parallel:
+        if isinstance(wrapped, DistributedDataParallel):
             # Each CP rank's gradient is its shard's part: SUM over cp, MEAN over dp (DDP alone divides by dp x cp).
-            wrapped.register_comm_hook(state=self.dp_size, hook=_sum_cp_mean_dp_hook)
+            data_parallel.register_ddp_hook(wrapped, self.dp_size, self.loss_parallel)
         return wrapped
 
     def _prepare_data_loader(self, loader: DataLoader):

@@ -1,7 +1,8 @@
 """``ContextParallelStrategy``: Lightning training over a (dp, cp) mesh with exact gradient math.
 
-A thin shell over :func:`cp_lightning.parallelize` and DDP, in a fixed order: validate the layout
-(at Trainer construction, before any process starts), build the mesh (readable in
+A thin adapter over :mod:`cp_lightning.data_parallel` (which owns the parallelization order, the
+data-parallel wrapping and its gradient math, seeding and checkpoint state), in a fixed order:
+validate the layout (at Trainer construction, before any process starts), build the mesh (readable in
 ``configure_model``), seed torch's RNG per data-parallel rank, parallelize every module that has a
 plan, then wrap in DDP over the flattened dp x cp group with a communication hook that divides by
 dp instead of the world size:
@@ -16,110 +17,24 @@ The sampler is sized by dp, so CP peers draw the same batch.
 from __future__ import annotations
 
 import os
-import random
 from collections.abc import Mapping
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from lightning.fabric.strategies import DDPStrategy as FabricDDPStrategy
 from lightning.pytorch.strategies import DDPStrategy
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from cp_lightning.kernels import get_kernel
-from cp_lightning.mesh import CP, DP, _check_int, build_mesh
-from cp_lightning.parallelize import parallel_state, parallelize
-from cp_lightning.plan import resolve_plan
-
-
-def check_cp_options(cp: int, ring: int, plan: Mapping | None, kernel: str | None, check_steps: int) -> None:
-    """Validate the CP options shared by the strategies and the Accelerate integration (no collectives)."""
-    _check_int("cp", cp)
-    _check_int("ring", ring)
-    if cp % ring != 0:
-        raise ValueError(f"ring={ring} must divide cp={cp} (cp = ring x ulysses); pick ring from the divisors of cp.")
-    if plan is not None and not isinstance(plan, Mapping):
-        raise TypeError(f"plan must be a dict of module path -> CP plan, got {type(plan).__name__}.")
-    if kernel is not None:
-        get_kernel(kernel)
-    if check_steps < 0:
-        raise ValueError(f"check_steps must be >= 0, got {check_steps}.")
-
-
-def seed_by_dp_rank(dp_rank: int, base: int | str | None) -> int:
-    """Seed torch (CPU and every CUDA device) and ``random`` with one job seed offset by the dp rank.
-
-    Noise, timesteps and dropout drawn in a training step must be equal on CP peers and differ across
-    dp ranks. Rank 0's ``base`` is broadcast, so ranks that were seeded differently still agree;
-    ``None`` on rank 0 draws a fresh random base. Collective: every rank calls it. Returns the seed.
-    """
-    shared = [int(base) if base is not None else random.SystemRandom().randrange(2**31)]
-    dist.broadcast_object_list(shared, src=0)
-    seed = (shared[0] + 1_000_003 * dp_rank) % 2**63
-    torch.manual_seed(seed)
-    random.seed(seed)
-    return seed
-
-
-def plan_targets(root: nn.Module, plan: Mapping | None) -> list[tuple[str, nn.Module, Mapping | None]]:
-    """(path, module, plan) for every module to parallelize: those named by ``plan``, else every
-    outermost submodule that carries a diffusers ``_cp_plan``."""
-    if plan is not None:
-        targets = []
-        for path, module_plan in plan.items():
-            try:
-                targets.append((path, root.get_submodule(path), module_plan))
-            except AttributeError:
-                raise ValueError(f"plan names module {path!r}, which {type(root).__name__} does not have.") from None
-        return targets
-    targets, covered = [], []
-    for name, module in root.named_modules():
-        if getattr(module, "_cp_plan", None) and not any(name.startswith(c + ".") or c == "" for c in covered):
-            targets.append((name, module, None))
-            covered.append(name)
-    if not targets:
-        raise ValueError(
-            f"no submodule of {type(root).__name__} has a diffusers `_cp_plan`, so there is nothing to split. "
-            "Pass plan={'path.to.module': {...}} (to ContextParallelStrategy or cp_lightning.accelerate) with a plan "
-            "per module, in diffusers' ContextParallelInput/ContextParallelOutput vocabulary."
-        )
-    return targets
-
-
-def parallelize_targets(
-    root: nn.Module,
-    *,
-    mesh: DeviceMesh,
-    plan: Mapping | None,
-    ring: int,
-    kernel: str | None,
-    loss_parallel: bool,
-    check_steps: int,
-) -> None:
-    """:func:`parallelize` every target of :func:`plan_targets`, after validating all of them (so a bad
-    plan is a ValueError on every rank before the first collective). Already parallelized ones are skipped."""
-    targets = plan_targets(root, plan)
-    for _, module, module_plan in targets:
-        resolve_plan(module, module_plan)
-    for _, module, module_plan in targets:
-        if parallel_state(module) is None:
-            parallelize(
-                module,
-                mesh=mesh,
-                ring=ring,
-                plan=module_plan,
-                kernel=kernel,
-                loss_parallel=loss_parallel,
-                check_steps=check_steps,
-            )
+from cp_lightning import data_parallel
+from cp_lightning.mesh import CP, DP, build_mesh
 
 
 class _ContextParallel:
     """What the Lightning and the Fabric strategies share."""
 
     def _init_cp(self, cp, ring, plan, loss_parallel, kernel, allow_cross_node, check_steps) -> None:
-        check_cp_options(cp, ring, plan, kernel, check_steps)
+        data_parallel.check_cp_options(cp, ring, plan, kernel, check_steps)
         self.cp, self.ring = cp, ring
         self.plan, self.loss_parallel, self.kernel = plan, bool(loss_parallel), kernel
         self.allow_cross_node, self.check_steps = allow_cross_node, check_steps
@@ -181,33 +96,17 @@ class _ContextParallel:
         self._mesh = build_mesh(self.cp, ring=self.ring, device_type=self.root_device.type, allow_cross_node=True)
         # Noise and timesteps drawn in training_step must be equal on CP peers and differ across dp
         # ranks, whether or not the user seeded: one base seed for the job, offset by the dp rank.
-        seed_by_dp_rank(self.dp_rank, os.environ.get("PL_GLOBAL_SEED"))
+        data_parallel.seed_by_dp_rank(self.dp_rank, os.environ.get("PL_GLOBAL_SEED"))
 
     def _gather_rng_states(self) -> dict[int, dict]:
-        local = {"torch": torch.get_rng_state(), "python": random.getstate()}
-        if torch.cuda.is_available():
-            local["cuda"] = torch.cuda.get_rng_state_all()
-        states = [None] * dist.get_world_size()
-        dist.all_gather_object(states, (self.dp_rank, local))
-        return dict(states)
+        return data_parallel.gather_rng_states(self.dp_rank)
 
     def _restore_rng_state(self, states: dict | None) -> None:
-        if not states:
-            return
-        if self.dp_rank not in states:
-            raise ValueError(
-                f"the checkpoint holds RNG states for dp ranks {sorted(states)}, but this run has dp rank "
-                f"{self.dp_rank}; resume with the same dp x cp layout, or drop 'cp_lightning' from the checkpoint."
-            )
-        state = states[self.dp_rank]
-        torch.set_rng_state(state["torch"])
-        random.setstate(state["python"])
-        if "cuda" in state and torch.cuda.is_available():
-            torch.cuda.set_rng_state_all(state["cuda"])
+        data_parallel.restore_rng_state(states, self.dp_rank, self.dp_size)
 
     # -- model ----------------------------------------------------------------------------------
     def _parallelize(self, root: nn.Module) -> None:
-        parallelize_targets(
+        data_parallel.parallelize_targets(
             root,
             mesh=self.device_mesh,
             plan=self.plan,
@@ -218,9 +117,7 @@ class _ContextParallel:
         )
 
     def _register_cp_hook(self, ddp: nn.parallel.DistributedDataParallel) -> None:
-        if self.loss_parallel:
-            return  # plain DDP mean over dp x cp is exact when each rank's loss covers its own shard
-        ddp.register_comm_hook(state=self.dp_size, hook=_sum_cp_mean_dp_hook)
+        data_parallel.register_ddp_hook(ddp, self.dp_size, self.loss_parallel)
 
     def shard(self, tensor: torch.Tensor, dim: int = 1) -> torch.Tensor:
         """This rank's sequence shard of ``tensor`` (loss-parallel targets)."""
@@ -232,17 +129,6 @@ class _ContextParallel:
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
         # CP peers must draw the same samples: the sampler sees only the data-parallel axis
         return {"num_replicas": self.dp_size, "rank": self.dp_rank}
-
-
-def _sum_cp_mean_dp_hook(dp_size, bucket):
-    """All-reduce a gradient bucket over dp x cp and divide by dp: SUM over cp, MEAN over dp.
-
-    (No annotations: DDP checks them against dist.GradBucket, and this module's are strings.)
-    """
-    buffer = bucket.buffer()
-    buffer.div_(dp_size)
-    work = dist.all_reduce(buffer, group=dist.group.WORLD, async_op=True)
-    return work.get_future().then(lambda fut: fut.value()[0])
 
 
 class ContextParallelStrategy(_ContextParallel, DDPStrategy):
