@@ -165,7 +165,7 @@ def cp_attention(
         _check_mask(attn_mask, heads)
     ring_kernel = None
     if groups.ring_size > 1:
-        ring_kernel = pick_kernel(query.device, query.dtype, attn_mask is not None, kernel)
+        ring_kernel = pick_kernel(query.device, query.dtype, attn_mask is not None, kernel, head_dim=query.shape[-1])
 
     if ulysses > 1:
         q_lengths, k_lengths = _local_lengths(query, key, groups.ulysses, even)

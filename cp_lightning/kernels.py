@@ -8,40 +8,111 @@ gradient exact (the softmax normaliser is the global one). A kernel therefore pr
     backward(dout, q, k, v, out, lse, bias, scale) -> (dq, dk, dv)
 
 ``bias`` is None or an additive key mask broadcastable to (B, H, 1, S_k) in the inputs' dtype.
-Adding a kernel means adding one entry to ``KERNELS``; :func:`pick_kernel` chooses by device and
-dtype unless the user names one.
+Adding a kernel means adding one entry to ``KERNELS``; :func:`pick_kernel` chooses by device,
+dtype, mask and head dim unless the user names one (then :meth:`Kernel.check` refuses what it
+cannot take, naming the kernels that can).
+
+The CUDA wrappers call torch's private SDPA ops, which skip the argument fixing that public SDPA
+does; each rule they must follow is applied here, in code that does not branch on the device, so
+the same calls can be checked on the meta device on any machine (tests/test_kernels.py). Only ROCm
+differs (the efficient kernels' LSE length). ``flash_attn`` wraps the flash-attn package (>= 2.7)
+when it is installed; it is never a dependency.
 """
 
 from __future__ import annotations
 
+import functools
 import math
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 
 @dataclass(frozen=True)
 class Kernel:
+    """One local attention kernel and what it accepts.
+
+    ``head_dim_multiple`` / ``max_head_dim``: head-dim limits of the kernel (0: none).
+    ``available``: whether it can run in this process (an optional package may be missing).
+    """
+
     name: str
     forward: Callable
     backward: Callable
     devices: tuple[str, ...]
     dtypes: tuple[torch.dtype, ...]
     supports_bias: bool
+    head_dim_multiple: int = 1
+    max_head_dim: int = 0
+    available: Callable[[], bool] = lambda: True
 
-    def check(self, device: torch.device, dtype: torch.dtype, has_bias: bool) -> None:
-        if device.type not in self.devices or dtype not in self.dtypes or (has_bias and not self.supports_bias):
-            raise ValueError(
-                f"attention kernel {self.name!r} runs on {self.devices} in {[str(d) for d in self.dtypes]}"
-                f"{'' if self.supports_bias else ' without masks'}; got {device.type} {dtype}"
-                f"{' with a mask' if has_bias else ''}. Pick another with kernel= (one of {sorted(KERNELS)})."
+    def refusal(self, device: torch.device, dtype: torch.dtype, has_bias: bool, head_dim: int | None) -> str | None:
+        """Why this kernel cannot take these inputs, or None when it can."""
+        if not self.available():
+            return f"is not available here ({_FLASH_ATTN_HINT})"
+        if device.type not in self.devices:
+            return f"runs on {self.devices}, not {device.type}"
+        if dtype not in self.dtypes:
+            return f"runs in {[str(d) for d in self.dtypes]}, not {dtype}"
+        if has_bias and not self.supports_bias:
+            return "takes no attention mask"
+        if head_dim is not None and (
+            head_dim % self.head_dim_multiple or (self.max_head_dim and head_dim > self.max_head_dim)
+        ):
+            limit = f" up to {self.max_head_dim}" if self.max_head_dim else ""
+            return f"needs a head dim that is a multiple of {self.head_dim_multiple}{limit}, not {head_dim}"
+        return None
+
+    def check(self, device: torch.device, dtype: torch.dtype, has_bias: bool, head_dim: int | None = None) -> None:
+        why = self.refusal(device, dtype, has_bias, head_dim)
+        if why is None:
+            return
+        can = [k.name for k in KERNELS.values() if k.refusal(device, dtype, has_bias, head_dim) is None]
+        what = f"{device.type} {dtype}{' with a mask' if has_bias else ''}" + (
+            "" if head_dim is None else f", head dim {head_dim}"
+        )
+        raise ValueError(
+            f"attention kernel {self.name!r} {why}; got {what}. "
+            + (
+                f"Pick one that can with kernel=: {can}."
+                if can
+                else f"No kernel takes these inputs ({sorted(KERNELS)})."
             )
+        )
 
 
 def _expand_bias(bias, q, k):
-    # B, H|1, 1, S_k -> B, H, S_q, S_k (a stride-0 view: no copy)
+    # B|1, H|1, 1, S_k -> B, H, S_q, S_k (a stride-0 view: no copy)
     return None if bias is None else bias.expand(q.shape[0], q.shape[1], q.shape[2], k.shape[2])
+
+
+# The efficient kernels read the mask with vector loads: its batch, head and query strides must be
+# multiples of 8 elements for 16-bit and 4 for fp32 wherever that dim has more than one element (the
+# "attn_bias is not correctly aligned" check). Public SDPA pads the key dim to a multiple of 8 and slices
+# it back (attention.cpp, preprocess_mask); the private op we call does not, so we do the same here.
+_BIAS_ALIGNMENT = 8
+
+
+def _aligned_bias(bias, q, k):
+    """The key mask as the efficient kernels need it: (B, H, S_q, S_k) with aligned strides."""
+    if bias is None:
+        return None
+    keys = bias.shape[-1]
+    aligned = bias.stride(-1) == 1 and all(stride % _BIAS_ALIGNMENT == 0 for stride in bias.stride()[:-1])
+    if not aligned:
+        padded = bias.new_zeros(*bias.shape[:-1], -(-keys // _BIAS_ALIGNMENT) * _BIAS_ALIGNMENT)
+        padded[..., :keys] = bias
+        bias = padded[..., :keys]
+    return _expand_bias(bias, q, k)
+
+
+def _efficient_lse_rows(queries: int) -> int:
+    """Rows of LSE the efficient kernels read: the forward pads to a multiple of 32 on CUDA (the
+    backward reads them with no bound check, kernel_backward.h) and returns exactly S_q on ROCm."""
+    return queries if torch.version.hip else -(-queries // 32) * 32
 
 
 def _cpu_flash_forward(q, k, v, bias, scale):
@@ -86,22 +157,25 @@ def _math_backward(dout, q, k, v, out, lse, bias, scale):
 
 def _cuda_efficient_forward(q, k, v, bias, scale):
     out, lse, _, _ = torch.ops.aten._scaled_dot_product_efficient_attention(
-        q, k, v, _expand_bias(bias, q, k), True, 0.0, False, scale=scale
+        q, k, v, _aligned_bias(bias, q, k), True, 0.0, False, scale=scale
     )
-    return out, lse[..., : q.shape[2]]  # the kernel pads the LSE's query dim
+    return out, lse[..., : q.shape[2]]  # the merge wants S_q rows; the kernel may pad them
 
 
 def _cuda_efficient_backward(dout, q, k, v, out, lse, bias, scale):
-    empty = torch.empty(0, device=q.device)
-    expanded = _expand_bias(bias, q, k)
+    # The backward reads the LSE over the padded rows the forward wrote. Padding them with +inf makes
+    # every probability of those (absent) queries exp(s - inf) = 0, as the forward's padding does.
+    rows = _efficient_lse_rows(q.shape[2])
+    lse = F.pad(lse.float(), (0, rows - lse.shape[-1]), value=float("inf")).contiguous()
+    empty = torch.empty(0, dtype=torch.long, device=q.device)  # philox seed/offset: read only with dropout
     dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
         dout.contiguous(),
         q,
         k,
         v,
-        expanded,
+        _aligned_bias(bias, q, k),
         out,
-        lse.contiguous(),
+        lse,
         empty,
         empty,
         0.0,
@@ -118,16 +192,18 @@ def _cuda_flash_forward(q, k, v, bias, scale):
 
 
 def _cuda_flash_backward(dout, q, k, v, out, lse, bias, scale):
-    empty = torch.empty(0, device=q.device)
+    empty = torch.empty(0, dtype=torch.long, device=q.device)  # philox seed/offset: read only with dropout
     dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_backward(
         dout.contiguous(),
         q,
         k,
         v,
         out,
-        lse,
-        empty,
-        empty,
+        lse.contiguous(),
+        # cum_seq_q / cum_seq_k: undefined selects the dense (batched) path; any defined tensor, even an
+        # empty one, selects the variable-length path (attention_backward.cu), which wants int32 offsets.
+        None,
+        None,
         q.shape[2],
         k.shape[2],
         0.0,
@@ -139,15 +215,63 @@ def _cuda_flash_backward(dout, q, k, v, out, lse, bias, scale):
     return dq, dk, dv
 
 
+# ----- the flash-attn package (optional) --------------------------------------------------------------
+
+_FLASH_ATTN_HINT = "pip install flash-attn>=2.7 on a CUDA machine"
+
+
+@functools.cache
+def _flash_attn_interface():
+    """flash_attn's LSE-returning functions, or None when the package is missing or too old."""
+    try:
+        from flash_attn import flash_attn_interface
+    except ImportError:
+        return None
+    import flash_attn
+
+    # 2.7 split window_size into left/right and made the forward return (out, lse, S_dmask, rng_state)
+    version = tuple(int(p) for p in re.findall(r"\d+", flash_attn.__version__)[:2])
+    return flash_attn_interface if version >= (2, 7) else None
+
+
+def _flash_attn_available() -> bool:
+    return _flash_attn_interface() is not None
+
+
+def _flash_attn_forward(q, k, v, bias, scale):
+    # B, H, S, D -> B, S, H, D views: flash-attn's layout (it needs only the last dim contiguous)
+    fa = _flash_attn_interface()
+    scale = scale if scale is not None else q.shape[-1] ** -0.5
+    out, lse, _, _ = fa._flash_attn_forward(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), 0.0, scale, False, -1, -1, 0.0, None, False
+    )
+    return out.transpose(1, 2), lse  # out: B, S, H, D -> B, H, S, D; lse: B, H, S_q fp32
+
+
+def _flash_attn_backward(dout, q, k, v, out, lse, bias, scale):
+    fa = _flash_attn_interface()
+    scale = scale if scale is not None else q.shape[-1] ** -0.5
+    q_, k_, v_, out_, dout_ = (t.transpose(1, 2) for t in (q, k, v, out, dout))  # B, H, S, D -> B, S, H, D
+    dq, dk, dv = (torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q_, k_, v_))
+    fa._flash_attn_backward(
+        dout_.contiguous(), q_, k_, v_, out_.contiguous(), lse.contiguous(), dq, dk, dv,
+        0.0, scale, False, -1, -1, 0.0, None, False, None,
+    )  # fmt: skip
+    return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)  # B, S, H, D -> B, H, S, D
+
+
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
+_HALF = (torch.bfloat16, torch.float16)
 KERNELS: dict[str, Kernel] = {
     "cpu_flash": Kernel("cpu_flash", _cpu_flash_forward, _cpu_flash_backward, ("cpu",), _FLOATS, True),
     "math": Kernel("math", _math_forward, _math_backward, ("cpu", "cuda"), _FLOATS, True),
     "cuda_efficient": Kernel(
         "cuda_efficient", _cuda_efficient_forward, _cuda_efficient_backward, ("cuda",), _FLOATS, True
     ),
-    "cuda_flash": Kernel(
-        "cuda_flash", _cuda_flash_forward, _cuda_flash_backward, ("cuda",), (torch.bfloat16, torch.float16), False
+    # flash kernels: head dim a multiple of 8, at most 256 (flash_api.cpp); no additive mask
+    "cuda_flash": Kernel("cuda_flash", _cuda_flash_forward, _cuda_flash_backward, ("cuda",), _HALF, False, 8, 256),
+    "flash_attn": Kernel(
+        "flash_attn", _flash_attn_forward, _flash_attn_backward, ("cuda",), _HALF, False, 8, 256, _flash_attn_available
     ),
 }
 
@@ -161,16 +285,22 @@ def get_kernel(name: str) -> Kernel:
     return KERNELS[name]
 
 
-def pick_kernel(device: torch.device, dtype: torch.dtype, has_bias: bool, name: str | None = None) -> Kernel:
-    """The named kernel (checked), or the best one for this device, dtype and mask."""
+# Preference order on CUDA; the first that takes the inputs wins. Masked rings stay on cuda_efficient.
+_CUDA_ORDER = ("flash_attn", "cuda_flash", "cuda_efficient")
+
+
+def pick_kernel(
+    device: torch.device, dtype: torch.dtype, has_bias: bool, name: str | None = None, head_dim: int | None = None
+) -> Kernel:
+    """The named kernel (checked), or the best one for this device, dtype, mask and head dim."""
     if name is not None:
         kernel = get_kernel(name)
-        kernel.check(device, dtype, has_bias)
+        kernel.check(device, dtype, has_bias, head_dim)
         return kernel
     if device.type == "cpu":
         return KERNELS["cpu_flash"]
     if device.type == "cuda":
-        if dtype in (torch.bfloat16, torch.float16) and not has_bias:
-            return KERNELS["cuda_flash"]
-        return KERNELS["cuda_efficient"]
+        for candidate in _CUDA_ORDER:
+            if KERNELS[candidate].refusal(device, dtype, has_bias, head_dim) is None:
+                return KERNELS[candidate]
     return KERNELS["math"]

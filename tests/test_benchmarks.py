@@ -92,3 +92,16 @@ def test_uneven_overhead_benchmark_runs_every_mode(capsys):
         assert (r["uneven"]["tokens"], r["uneven"]["text_tokens"]) == (63, 7)
         assert r["divisible"]["time"] > 0 and r["uneven"]["time"] > 0, r
     assert "| ring | 64 + 8 | 63 + 7 |" in capsys.readouterr().out
+
+
+def test_gpu_check_dry_run_exercises_every_part_on_cpu(capfd):
+    from benchmarks import gpu_check
+
+    assert gpu_check.main(["--dry-run"]) == 0
+    out = capfd.readouterr().out
+    assert "needs: torch with CUDA" in out
+    for heading in ("## 1. Kernels", "## 2. Forward+backward speed", "## 3. Ulysses, ring and USP"):
+        assert heading in out, heading
+    assert "| cpu_flash | bfloat16 | 33 | key | ring of 3 |" in out
+    assert "| wan | ring | 1x2 | 61 |" in out and "| 2 | ulysses | 1 | 2 x 1 |" in out
+    assert "FAIL" not in out and "ALL CHECKS PASSED" in out
