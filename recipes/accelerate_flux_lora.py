@@ -22,7 +22,7 @@ from tqdm.auto import tqdm
 from cp_lightning.accelerate import ContextParallel
 from recipes.callbacks import ExportFlux, LossCurve
 from recipes.data import FluxData
-from recipes.finetune import flow_matching_loss, per_sample_noise
+from recipes.finetune import flow_matching_loss
 from recipes.flux import FluxFineTune
 
 
@@ -31,11 +31,12 @@ class FluxLoRA(FluxFineTune):
 
     epoch = 0  # the loop sets it; seeds the per-sample noise as Lightning's current_epoch does
 
-    def noise_and_t(self, x0, index):
-        return per_sample_noise(x0, index, self.hparams.seed, self.epoch, self.hparams.timestep_sampling)
+    @property
+    def current_epoch(self) -> int:
+        return self.epoch
 
     def forward(self, batch):
-        pred, target = self.predict(batch)
+        pred, target, _ = self.predict(batch)
         return flow_matching_loss(pred, target, self.transformer, self.epoch)
 
 
@@ -95,7 +96,7 @@ def main(args=None) -> list[tuple[int, float]]:
         module.configure_model()
     data.setup("fit")
     loader = DataLoader(data.dataset, batch_size=args.batch_size, shuffle=True, drop_last=True)
-    optimizer = module.configure_optimizers()
+    optimizer, _ = module.make_optimizer(args.max_steps)  # constant learning rate
     model, optimizer, loader = cp.prepare(module, optimizer, loader)
 
     trainable = [p for p in model.parameters() if p.requires_grad]

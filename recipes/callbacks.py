@@ -10,16 +10,17 @@ import torch
 
 
 class LossCurve(L.Callback):
-    """Writes ``loss.csv`` (step, loss: the global mean over ranks) and ``loss.png`` on rank 0."""
+    """Writes ``loss.csv`` (step, loss and the batch's mean time t: global means over ranks) and
+    ``loss.png`` on rank 0."""
 
     def __init__(self, out_dir: str = "outputs/run"):
         self.out_dir = Path(out_dir)
-        self.rows: list[tuple[int, float]] = []
+        self.rows: list[tuple] = []
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        loss = trainer.callback_metrics.get("train_loss")
-        if loss is not None:
-            self.rows.append((trainer.global_step, float(loss)))
+        metrics = trainer.callback_metrics
+        if "train_loss" in metrics:
+            self.rows.append((trainer.global_step, float(metrics["train_loss"]), float(metrics.get("train_t", "nan"))))
 
     def on_train_end(self, trainer, pl_module):
         if not trainer.is_global_zero:
@@ -27,7 +28,7 @@ class LossCurve(L.Callback):
         self.out_dir.mkdir(parents=True, exist_ok=True)
         with (self.out_dir / "loss.csv").open("w", newline="") as f:
             writer = csv.writer(f)
-            writer.writerow(["step", "loss"])
+            writer.writerow(["step", "loss", "t"][: len(self.rows[0]) if self.rows else 3])
             writer.writerows(self.rows)
         import matplotlib
 
@@ -35,7 +36,7 @@ class LossCurve(L.Callback):
         import matplotlib.pyplot as plt
 
         fig, ax = plt.subplots(figsize=(6, 3.5))
-        ax.plot([s for s, _ in self.rows], [v for _, v in self.rows], marker=".")
+        ax.plot([row[0] for row in self.rows], [row[1] for row in self.rows], marker=".")
         ax.set(xlabel="optimizer step", ylabel="flow-matching loss", title="training loss")
         ax.grid(alpha=0.3)
         fig.tight_layout()

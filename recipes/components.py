@@ -142,8 +142,9 @@ def load_pipeline(family: str, pretrained: str, cache_dir: str | Path, **kwargs)
     return cls.from_pretrained(resolve_pretrained(family, pretrained, cache_dir), **kwargs)
 
 
-def load_transformer(family: str, pretrained: str, cache_dir: str | Path, **kwargs):
+def load_transformer(family: str, pretrained: str, cache_dir: str | Path, subfolder: str = "transformer", **kwargs):
+    """The family's transformer from ``subfolder`` (Wan2.2 A14B keeps its low-noise expert in ``transformer_2``)."""
     import diffusers
 
     cls = getattr(diffusers, FAMILIES[family][1])
-    return cls.from_pretrained(resolve_pretrained(family, pretrained, cache_dir), subfolder="transformer", **kwargs)
+    return cls.from_pretrained(resolve_pretrained(family, pretrained, cache_dir), subfolder=subfolder, **kwargs)

@@ -5,7 +5,7 @@
 The module carries no context-parallel code: ContextParallelStrategy (chosen in the config)
 parallelizes the transformer, and ``loss_shard`` is a no-op unless the strategy runs loss-parallel.
 Noise and timesteps are drawn per sample from a generator seeded by (seed, epoch, sample index), so a
-run gives the same losses at any dp x cp layout.
+run gives the same losses at any dp x cp layout (see recipes/training.py).
 """
 
 from __future__ import annotations
@@ -27,36 +27,19 @@ class FluxFineTune(FlowMatchingFineTune):
     family = "flux"
     lora_targets = ["to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out"]
 
-    def __init__(
-        self,
-        pretrained: str = "tiny",
-        cache_dir: str = "outputs/cache",
-        lora_rank: int = 4,
-        learning_rate: float = 1e-3,
-        guidance_scale: float = 1.0,
-        timestep_sampling: str = "logit_normal",
-        gradient_checkpointing: bool = False,
-        weights_dtype: str = "float32",
-        seed: int = 0,
-    ):
-        super().__init__(
-            pretrained,
-            cache_dir,
-            lora_rank,
-            learning_rate,
-            timestep_sampling,
-            gradient_checkpointing,
-            weights_dtype,
-            seed,
-        )
+    def __init__(self, pretrained: str = "tiny", *, guidance_scale: float = 1.0, **kwargs):
+        super().__init__(pretrained, **kwargs)
         self.save_hyperparameters()
+
+    def image_tokens(self, x0):
+        return (x0.shape[-2] // 2) * (x0.shape[-1] // 2)  # 2x2 packed latent patches
 
     def predict(self, batch):
         from diffusers import FluxPipeline
 
         x0 = batch["latents"]  # B, C, h, w
         b, c, h, w = x0.shape
-        noise, t = self.noise_and_t(x0, batch["index"])
+        noise, t = self.noise_and_t(x0, batch["index"])  # t from the full token count, never a CP shard's
         xt = (1 - t.view(-1, 1, 1, 1)) * x0 + t.view(-1, 1, 1, 1) * noise
         # B, C, h, w -> B, (h/2)(w/2), 4C: Flux's 2x2 packed latent tokens
         packed = FluxPipeline._pack_latents(xt, b, c, h, w)
@@ -77,7 +60,7 @@ class FluxFineTune(FlowMatchingFineTune):
             img_ids=img_ids,
             return_dict=False,
         )[0]
-        return pred, target
+        return pred, target, t
 
 
 def main(args=None):

@@ -19,6 +19,9 @@ class WanFineTune(FlowMatchingFineTune):
     family = "wan"
     lora_targets = ["to_q", "to_k", "to_v", "to_out.0"]
 
+    def image_tokens(self, x0):
+        return x0.shape[-3] * (x0.shape[-2] // 2) * (x0.shape[-1] // 2)  # frames x 2x2 patches
+
     def predict(self, batch):
         x0 = batch["latents"]  # B, C, f, h, w
         noise, t = self.noise_and_t(x0, batch["index"])
@@ -28,7 +31,7 @@ class WanFineTune(FlowMatchingFineTune):
         pred = self.transformer(
             hidden_states=xt, timestep=t * 1000, encoder_hidden_states=batch["prompt_embeds"], return_dict=False
         )[0]
-        return pred, noise - x0
+        return pred, noise - x0, t
 
 
 def main(args=None):

@@ -1,0 +1,111 @@
+"""Training options of the recipes: learning-rate schedules, timestep sampling and shifts, EMA, bad input."""
+
+from __future__ import annotations
+
+import math
+import sys
+
+import pytest
+import torch
+
+from recipes import training
+
+
+def _lrs(kind: str, warmup: int, total: int) -> list[float]:
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=2.0)
+    scheduler = training.lr_schedule(optimizer, kind, warmup, total)
+    values = []
+    for _ in range(total):
+        values.append(optimizer.param_groups[0]["lr"])
+        optimizer.step()
+        scheduler.step()
+    return values
+
+
+@pytest.mark.parametrize("kind", ["constant", "cosine", "linear"])
+def test_warmup_then_schedule_matches_the_formula(kind):
+    warmup, total, peak = 4, 20, 2.0
+
+    def formula(step):
+        if step < warmup:
+            return peak * step / warmup
+        progress = (step - warmup) / (total - warmup)
+        decay = {"constant": 1.0, "cosine": 0.5 * (1 + math.cos(math.pi * progress)), "linear": 1 - progress}
+        return peak * decay[kind]
+
+    assert _lrs(kind, warmup, total) == pytest.approx([formula(s) for s in range(total)], abs=1e-12)
+
+
+def test_schedule_errors_name_the_fix():
+    with pytest.raises(ValueError, match="lr_scheduler must be one of"):
+        training.check_schedule("exponential", 0, 10)
+    with pytest.raises(ValueError, match="warmup_steps=10 is not shorter than the training run .*max_steps=10"):
+        training.check_schedule("constant", 10, 10)
+    with pytest.raises(ValueError, match="needs trainer.max_steps > 0"):
+        training.check_schedule("cosine", 0, -1)
+    from recipes.flux import FluxFineTune
+
+    with pytest.raises(ValueError, match="lr_scheduler must be one of"):
+        FluxFineTune(lr_scheduler="step")
+    with pytest.raises(ValueError, match="loss_weighting must be one of"):
+        FluxFineTune(loss_weighting="snr")
+    with pytest.raises(ValueError, match="min_timestep < max_timestep"):
+        FluxFineTune(min_timestep=0.9, max_timestep=0.5)
+
+
+def test_warmup_longer_than_training_fails_before_any_process_starts(monkeypatch):
+    from recipes.flux import main
+
+    monkeypatch.setattr(sys, "argv", ["recipes.flux"])
+    args = ["fit", "--config", "configs/tiny_flux_cp2.yaml", "--model.warmup_steps=30", "--trainer.max_steps=30"]
+    with pytest.raises(ValueError, match="warmup_steps=30 is not shorter"):
+        main(args)  # raised in the CLI's before_fit: the Trainer has launched nothing yet
+
+
+def test_timestep_shifts_follow_their_formulas():
+    latents, index = torch.zeros(64, 4, 2, 2), torch.arange(64)
+    _, plain = training.sample_noise_and_t(latents, index, seed=3, epoch=1)
+    _, shifted = training.sample_noise_and_t(latents, index, seed=3, epoch=1, shift=3.0)
+    assert torch.allclose(shifted, 3 * plain / (1 + 2 * plain), atol=1e-6) and (shifted >= plain).all()
+    _, ranged = training.sample_noise_and_t(latents, index, seed=3, epoch=1, min_t=0.875, max_t=1.0)
+    assert torch.allclose(ranged, 0.875 + 0.125 * plain, atol=1e-6)
+    _, wide = training.sample_noise_and_t(latents, index, seed=3, epoch=1, sigmoid_scale=2.0)
+    logit = torch.logit(plain.double())
+    assert torch.allclose(wide.double(), torch.sigmoid(2 * logit), atol=1e-5)
+    # Flux: mu linear in the image token count, 0.5 at 256 tokens and 1.15 at 4096 (FLUX.1's scheduler)
+    assert training.flux_shift(256) == pytest.approx(math.exp(0.5))
+    assert training.flux_shift(4096) == pytest.approx(math.exp(1.15))
+    assert training.flux_shift(64) == pytest.approx(math.exp(0.5 - 0.65 * 192 / 3840))
+
+
+def test_flux_shift_uses_the_full_token_count():
+    from recipes.flux import FluxFineTune
+
+    module = FluxFineTune(resolution_shift=True)
+    x0 = torch.zeros(2, 16, 64, 32)  # 32 x 16 packed tokens = 512
+    assert module.image_tokens(x0) == 512
+    _, t = module.noise_and_t(x0, torch.tensor([5, 9]))
+    _, plain = training.sample_noise_and_t(x0, torch.tensor([5, 9]), seed=0, epoch=0)
+    assert torch.allclose(t, training.shift_t(plain, training.flux_shift(512)))
+
+
+def test_loss_weighting_schemes():
+    t = torch.tensor([0.25, 0.5])
+    assert training.loss_weights("none", t) is None
+    assert torch.allclose(training.loss_weights("sigma_sqrt", t), t**-2)
+    assert torch.allclose(training.loss_weights("cosmap", t), 2 / (math.pi * (1 - 2 * t + 2 * t**2)))
+
+
+def test_ema_tracks_trainable_parameters_only():
+    model = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.Linear(3, 3))
+    model[0].requires_grad_(False)
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    ema = training.TrainableEMA(named, decay=0.5)
+    assert sorted(ema.state_dict()) == ["1.bias", "1.weight"]  # nothing of the frozen layer
+    start = model[1].weight.detach().clone()
+    with torch.no_grad():
+        model[1].weight.add_(2.0)
+    ema.update()
+    assert torch.allclose(ema.state_dict()["1.weight"], start + 1.0)
+    with pytest.raises(ValueError, match="ema_decay must be in"):
+        training.TrainableEMA(named, decay=1.0)
