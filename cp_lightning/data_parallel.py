@@ -28,6 +28,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from cp_lightning.kernels import get_kernel
 from cp_lightning.mesh import _check_int
+from cp_lightning.models import has_plan
 from cp_lightning.parallelize import parallel_state, parallelize
 from cp_lightning.plan import resolve_plan
 
@@ -77,7 +78,7 @@ def seed_by_dp_rank(dp_rank: int, base: int | str | None) -> int:
 # -- parallelization --------------------------------------------------------------------------------
 def plan_targets(root: nn.Module, plan: Mapping | None) -> list[tuple[str, nn.Module, Mapping | None]]:
     """(path, module, plan) for every module to parallelize: those named by ``plan``, else every
-    outermost submodule that carries a diffusers ``_cp_plan``."""
+    outermost submodule that has a plan (a diffusers ``_cp_plan`` or an entry in cp_lightning.models)."""
     if plan is not None:
         targets = []
         for path, module_plan in plan.items():
@@ -88,12 +89,13 @@ def plan_targets(root: nn.Module, plan: Mapping | None) -> list[tuple[str, nn.Mo
         return targets
     targets, covered = [], []
     for name, module in root.named_modules():
-        if getattr(module, "_cp_plan", None) and not any(name.startswith(c + ".") or c == "" for c in covered):
+        if has_plan(module) and not any(name.startswith(c + ".") or c == "" for c in covered):
             targets.append((name, module, None))
             covered.append(name)
     if not targets:
         raise ValueError(
-            f"no submodule of {type(root).__name__} has a diffusers `_cp_plan`, so there is nothing to split. "
+            f"no submodule of {type(root).__name__} has a diffusers `_cp_plan` or a plan in cp_lightning.models, so "
+            "there is nothing to split. "
             "Pass plan={'path.to.module': {...}} (to ContextParallelStrategy or cp_lightning.accelerate) with a plan "
             "per module, in diffusers' ContextParallelInput/ContextParallelOutput vocabulary."
         )

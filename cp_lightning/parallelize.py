@@ -59,7 +59,8 @@ def parallelize(
         mesh: a mesh with a ``"cp"`` axis (from :func:`build_mesh`); built from ``cp`` when omitted.
         cp: the CP degree; needed when ``mesh`` is omitted, checked against it otherwise.
         ring: ring degree inside cp (cp = ring x ulysses); 1 means pure Ulysses.
-        plan: a plan in diffusers' ``_cp_plan`` vocabulary; defaults to ``module._cp_plan``.
+        plan: a plan in diffusers' ``_cp_plan`` vocabulary; defaults to the plan library's entry for the
+            module's class, else its diffusers ``_cp_plan`` (:func:`cp_lightning.models.plan_for`).
         kernel: the local attention kernel ring attention uses (see ``cp_lightning.kernels.KERNELS``);
             by default the best one for the device and dtype.
         loss_parallel: leave the outputs at the plan's gather points sharded; compute the loss on

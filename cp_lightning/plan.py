@@ -41,14 +41,11 @@ class ResolvedEntry:
     spec: object
 
 
-def default_plan(module: nn.Module) -> dict:
-    plan = getattr(module, "_cp_plan", None)
-    if not plan:
-        raise ValueError(
-            f"{type(module).__name__} has no diffusers `_cp_plan`, so cp_lightning does not know where to split "
-            f"its sequence. Pass a plan, e.g. {_EXAMPLE} (keys are submodule paths, '' is the module itself)."
-        )
-    return plan
+def default_plan(module: nn.Module) -> Mapping:
+    """The plan library's entry for ``module``'s class, else its diffusers ``_cp_plan`` (see cp_lightning.models)."""
+    from cp_lightning.models import plan_for
+
+    return plan_for(module)
 
 
 def _find_modules(root: nn.Module, path: str) -> list[tuple[str, nn.Module]]:

@@ -1,0 +1,338 @@
+"""Plan checker: ``python -m cp_lightning.check CLASS_OR_CONFIG [--cp N --ring R --plan module:attr]``.
+
+Builds a tiny random-init instance of a diffusers transformer (the plan library's scaled-down config;
+parameters initialised to zero, such as gates and output layers, given random values so that every
+path carries a gradient), runs forward and backward under context parallelism on ``cp`` gloo CPU
+processes and in one process, and prints a Markdown table of the output error and the CP-summed
+gradient error per mode (Ulysses, ring, USP). Exits 1 when any mode misses the fp32 tolerances
+(outputs 1e-5 absolute, gradients 1e-4 relative) or a parameter gets no gradient, 2 on bad usage.
+
+``CLASS_OR_CONFIG`` is a tiny case of the library (``wan2.2-ti2v``), a diffusers class name
+(``WanVACETransformer3DModel``: its first case), or a diffusers ``config.json`` (or a folder holding
+one) whose ``_class_name`` the library knows: its architecture switches (booleans, strings, layer
+lists) replace the tiny config's, while sizes stay tiny. ``--plan module:attr`` checks your own plan
+instead of the default (:func:`cp_lightning.models.plan_for`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import importlib
+import json
+import multiprocessing as mp
+import os
+import queue
+import socket
+import sys
+from collections.abc import Mapping, Sequence
+from dataclasses import replace
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from cp_lightning.models import CASES, TinyCase
+
+OUT_TOL = 1e-5
+GRAD_TOL = 1e-4
+
+
+# ---------------------------------------------------------------- building cases
+
+
+def resolve_case(name_or_config: str | Mapping) -> TinyCase:
+    """A :class:`TinyCase` from a case name, a diffusers class name, a config dict or a config path."""
+    if isinstance(name_or_config, Mapping):
+        return _case_from_config(dict(name_or_config), "<config>")
+    if name_or_config in CASES:
+        return CASES[name_or_config]
+    by_class = [case for case in CASES.values() if case.cls == name_or_config]
+    if by_class:
+        return by_class[0]
+    path = Path(name_or_config)
+    if path.is_dir():
+        path = path / "config.json"
+    if path.suffix == ".json" and path.is_file():
+        return _case_from_config(json.loads(path.read_text()), str(path))
+    known = sorted({case.cls for case in CASES.values()})
+    raise ValueError(
+        f"{name_or_config!r} is neither a tiny case ({', '.join(sorted(CASES))}), a class with one "
+        f"({', '.join(known)}) nor a diffusers config.json. To check another model, add a TinyCase (tiny config "
+        "and inputs) to a module of cp_lightning/models/ (see docs/models.md)."
+    )
+
+
+def _case_from_config(config: dict, where: str) -> TinyCase:
+    cls = config.get("_class_name")
+    base = [case for case in CASES.values() if case.cls == cls]
+    if not base:
+        raise ValueError(
+            f"{where}: _class_name {cls!r} has no tiny case in cp_lightning's library, so the checker cannot scale it "
+            "down; known classes: " + ", ".join(sorted({case.cls for case in CASES.values()}))
+        )
+    case = base[0]
+    tiny = dict(case.config)
+    # architecture switches come from the user's config; sizes (ints, floats, size tuples) stay tiny
+    for key, value in config.items():
+        if not key.startswith("_") and _is_switch(value) and key in _init_args(cls):
+            tiny[key] = value
+    return replace(case, name=f"{case.name}@{Path(where).parent.name or where}", config=tiny)
+
+
+def _is_switch(value) -> bool:
+    return value is None or isinstance(value, (bool, str))
+
+
+def _init_args(cls_name: str) -> set[str]:
+    import inspect
+
+    import diffusers
+
+    return set(inspect.signature(getattr(diffusers, cls_name).__init__).parameters)
+
+
+def _wake(model: nn.Module, seed: int) -> None:
+    """Give parameters initialised to zero (gates, output layers) small random values, so no path is silent."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for _, p in sorted(model.named_parameters()):
+            if p.numel() and not p.any():
+                p.copy_(0.1 * torch.randn(p.shape, generator=g, dtype=torch.float32).to(p.dtype))
+
+
+def build(case: TinyCase, seed: int = 0) -> list[nn.Module]:
+    """``case.experts`` tiny random-init instances (identical on every rank for the same seed)."""
+    import diffusers
+
+    cls = getattr(diffusers, case.cls)
+    models = []
+    for expert in range(case.experts):
+        torch.manual_seed(seed + expert)
+        model = cls(**case.config)
+        _wake(model, seed + 100 + expert)
+        models.append(model)
+    return models
+
+
+def make_inputs(case: TinyCase, models, tokens: int, text_tokens: int | None = None, dtype=torch.float32):
+    text = case.text_tokens if text_tokens is None else text_tokens
+    generators = [torch.Generator().manual_seed(1 + i) for i in range(len(models))]
+    return [case.inputs(model, g, 2, tokens, text, dtype) for model, g in zip(models, generators, strict=True)]
+
+
+def _tensors(out) -> list[torch.Tensor]:
+    if isinstance(out, torch.Tensor):
+        return [out]
+    if isinstance(out, (list, tuple)):
+        return [t for item in out for t in _tensors(item)]
+    if hasattr(out, "to_tuple"):
+        return _tensors(out.to_tuple())
+    return []
+
+
+def forward_backward(models, inputs) -> list[torch.Tensor]:
+    """Run every expert, weight each output by fixed random weights, backward the sum; return the outputs."""
+    outs, loss = [], 0.0
+    for i, (model, kwargs) in enumerate(zip(models, inputs, strict=True)):
+        for j, out in enumerate(_tensors(model(**kwargs, return_dict=False))):
+            weights = torch.randn(out.shape, generator=torch.Generator().manual_seed(7 + 31 * i + j))
+            loss = loss + (out.float() * weights).sum()
+            outs.append(out.detach().float())
+    loss.backward()
+    return outs
+
+
+def grads(models) -> dict[str, torch.Tensor]:
+    out = {}
+    for i, model in enumerate(models):
+        for n, p in model.named_parameters():
+            out[f"{i}.{n}"] = p.grad.detach().float().clone() if p.grad is not None else torch.zeros_like(p).float()
+    return out
+
+
+def rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
+    """max|got - ref| / max|ref| (absolute below 1e-8, where a relative figure means nothing)."""
+    scale = ref.abs().max().item()
+    err = (got - ref).abs().max().item()
+    return err / scale if scale > 1e-8 else err
+
+
+class Reference:
+    """The one-process run of a case: models before any backward, inputs, outputs and gradients."""
+
+    def __init__(self, case: TinyCase, tokens: int, text_tokens: int | None = None) -> None:
+        self.case = case
+        self.models = build(case)
+        self.pristine = copy.deepcopy(self.models)
+        self.inputs = make_inputs(case, self.models, tokens, text_tokens)
+        self.outs = forward_backward(self.models, self.inputs)
+        self.grads = grads(self.models)
+        # parameters no input reaches: a fault of the case (or its `unused` list) unless declared
+        self.silent = sorted(
+            n
+            for n, g in self.grads.items()
+            if not g.any() and not any(n.split(".", 1)[1].startswith(u) for u in case.unused)
+        )
+
+
+def run_cp(ref: Reference, mesh, ring: int, *, ckpt: bool = False, plan: Mapping | None = None) -> dict:
+    """One CP run of ``ref``'s case on ``mesh``: errors against the reference (every rank gets them)."""
+    from cp_lightning import parallelize, remove
+    from cp_lightning.mesh import CP, cp_groups
+
+    models = copy.deepcopy(ref.pristine)
+    for model in models:
+        if ckpt:
+            model.enable_gradient_checkpointing()
+        parallelize(model, mesh=mesh, ring=ring, plan=plan)
+    try:
+        outs = forward_backward(models, ref.inputs)
+    finally:
+        for model in models:
+            remove(model)
+    got = grads(models)
+    group = cp_groups(mesh, ring).cp if mesh.ndim > 1 else mesh[CP].get_group()
+    for g in got.values():
+        dist.all_reduce(g, group=group)  # SUM over the CP group must equal the one-process gradient
+    errs = {n: rel_err(got[n], ref.grads[n]) for n in ref.grads}
+    worst = max(errs, key=errs.get)
+    out_err = max((o - r).abs().max().item() for o, r in zip(outs, ref.outs, strict=True))
+    return {"out_err": out_err, "grad_err": errs[worst], "worst": worst, "silent": ref.silent}
+
+
+def passed(row: Mapping) -> bool:
+    return row["out_err"] <= OUT_TOL and row["grad_err"] <= GRAD_TOL and not row["silent"]
+
+
+def modes(cp: int, ring: int | None) -> list[tuple[str, int]]:
+    """(mode name, ring degree) for the checker's table: Ulysses, ring and, when cp allows it, USP."""
+    if ring is not None and (ring < 1 or cp % ring):
+        raise ValueError(f"--ring {ring} must divide --cp {cp} (cp = ring x ulysses).")
+    out = [("ulysses", 1), ("ring", cp)] if cp > 1 else [("ulysses", 1)]
+    usp = ring if ring is not None else next((r for r in range(2, cp) if cp % r == 0), None)
+    if usp is not None and 1 < usp < cp:
+        out.append((f"usp ring{usp}xulysses{cp // usp}", usp))
+    return out
+
+
+# ---------------------------------------------------------------- the command line
+
+
+def _worker(rank, world, port, fn, args, results):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=600))
+        results.put((rank, True, fn(rank, world, *args)))
+    except BaseException as err:  # noqa: BLE001 - the parent reports it
+        results.put((rank, False, f"{type(err).__name__}: {err}"))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_workers(fn, world: int, *args, timeout_s: float = 900.0) -> list:
+    """Run ``fn(rank, world, *args)`` on ``world`` gloo CPU processes; results by rank (raises on failure)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    procs = [ctx.Process(target=_worker, args=(r, world, port, fn, args, results), daemon=True) for r in range(world)]
+    for p in procs:
+        p.start()
+    out = {}
+    try:
+        while len(out) < world:
+            try:
+                rank, ok, value = results.get(timeout=timeout_s)
+            except queue.Empty:
+                raise TimeoutError(f"the check did not finish within {timeout_s:.0f}s") from None
+            if not ok:
+                raise RuntimeError(f"rank {rank}: {value}")
+            out[rank] = value
+        return [out[r] for r in range(world)]
+    finally:
+        for p in procs:
+            p.join(timeout=2)
+            if p.is_alive():
+                p.kill()
+
+
+def _check_worker(rank, world, spec, tokens, mode_list, plan_ref, ckpt):
+    from cp_lightning import build_mesh
+
+    case = resolve_case(spec)  # cases hold functions, so workers rebuild them from the spec
+    plan = load_attr(plan_ref) if plan_ref else None
+    ref = Reference(case, tokens)
+    mesh = build_mesh(world)
+    rows = []
+    for name, ring in mode_list:
+        for use_ckpt in (False, True) if ckpt else (False,):
+            try:
+                row = run_cp(ref, mesh, ring, ckpt=use_ckpt, plan=plan)
+            except Exception as err:  # noqa: BLE001 - a refusal (ValueError) or a crash is one row of the table
+                kind = "refused" if isinstance(err, ValueError) else f"crashed ({type(err).__name__})"
+                row = {"out_err": float("nan"), "grad_err": float("nan"), "worst": "", "silent": [], "error": kind}
+                row["error"] = f"{kind}: {err}"
+            rows.append({"mode": name + (" +ckpt" if use_ckpt else ""), **row})
+    return rows
+
+
+def load_attr(ref: str):
+    module, _, attr = ref.partition(":")
+    if not module or not attr:
+        raise ValueError(f"--plan takes module:attr (e.g. my_plans:WAN_PLAN), got {ref!r}.")
+    return getattr(importlib.import_module(module), attr)
+
+
+def table(rows: Sequence[Mapping], case: TinyCase, cp: int, tokens: int) -> str:
+    lines = [
+        f"{case.name} ({case.cls}), cp={cp}, {tokens} tokens, fp32; tolerances: output {OUT_TOL:g}, grad {GRAD_TOL:g}",
+        "",
+        "| mode | output max abs err | grad max rel err (CP-summed) | worst parameter | result |",
+        "|---|---|---|---|---|",
+    ]
+    for row in rows:
+        if "error" in row:
+            verdict = f"FAIL, {row['error']}"
+        elif row["silent"]:
+            verdict = f"FAIL: no gradient reaches {', '.join(row['silent'][:3])}"
+        else:
+            verdict = "ok" if passed(row) else "FAIL"
+        lines.append(f"| {row['mode']} | {row['out_err']:.2e} | {row['grad_err']:.2e} | {row['worst']} | {verdict} |")
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m cp_lightning.check", description=__doc__.split("\n\n")[1])
+    parser.add_argument("model", metavar="CLASS_OR_CONFIG", help="tiny case, diffusers class name or config.json")
+    parser.add_argument("--cp", type=int, default=2, help="CP degree = number of gloo processes (default 2)")
+    parser.add_argument("--ring", type=int, default=None, help="ring degree of the USP row (default: smallest)")
+    parser.add_argument("--plan", default=None, help="module:attr of a plan dict to check instead of the default")
+    parser.add_argument("--tokens", type=int, default=None, help="video/image tokens (default: 4*cp+1, uneven)")
+    parser.add_argument("--checkpointing", action="store_true", help="also run each mode with checkpointing")
+    args = parser.parse_args(argv)
+    try:
+        case = resolve_case(args.model)
+        if args.cp < 1:
+            raise ValueError(f"--cp must be >= 1, got {args.cp}.")
+        mode_list = modes(args.cp, args.ring)
+        if args.plan:
+            load_attr(args.plan)
+    except (ValueError, ImportError, AttributeError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    tokens = args.tokens or 4 * args.cp + 1
+    spec = args.model if case.name in CASES else dict(case.config, _class_name=case.cls)
+    rows = run_workers(_check_worker, args.cp, spec, tokens, mode_list, args.plan, args.checkpointing)[0]
+    print(table(rows, case, args.cp, tokens))
+    return 0 if all(passed(row) for row in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

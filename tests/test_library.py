@@ -1,0 +1,154 @@
+"""The plan library: tiny-model parity for every model it covers, its refusals, and the checker CLI.
+
+One spawned group of 4 processes runs every case (starting groups costs seconds): cp=4 as dp1 x cp4
+(Ulysses, ring, USP 2 ring x 2 ulysses) and cp=2 as dp2 x cp2, where the two CP groups run different
+modes of the same case at once (dp rank 0 Ulysses, dp rank 1 ring). Every case runs at a length no CP
+degree divides, in fp32, with and without gradient checkpointing; each is asserted by its own test.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from cp_lightning.check import GRAD_TOL, OUT_TOL
+from cp_lightning.models import CASES
+from tests.distributed import spawn
+
+NAMES = sorted(CASES) if not os.environ.get("CP_LIBRARY_CASES") else os.environ["CP_LIBRARY_CASES"].split(",")
+TOKENS = 21  # neither 2 nor 4 divides it
+LAYOUTS = [(2, 1), (2, 2), (4, 1), (4, 4), (4, 2)]  # (cp, ring): Ulysses, ring, Ulysses, ring, USP 2x2
+PARITY = [(name, cp, ring, ckpt) for name in NAMES for cp, ring in LAYOUTS for ckpt in (False, True)]
+
+
+def _all_cases(rank, world, names):
+    from cp_lightning import build_mesh
+    from cp_lightning.check import Reference, run_cp
+    from cp_lightning.mesh import cp_groups
+
+    meshes = {2: build_mesh(2), 4: build_mesh(4)}
+    for cp, ring in LAYOUTS:
+        cp_groups(meshes[cp], ring)  # created collectively up front; the dp groups then diverge
+    cp2_ring = 1 if rank < 2 else 2
+    results = {}
+    for name in names:
+        ref = Reference(CASES[name], TOKENS)
+        for ckpt in (False, True):
+            for cp, ring in [(2, cp2_ring), (4, 1), (4, 4), (4, 2)]:
+                try:
+                    results[(name, cp, ring, ckpt)] = run_cp(ref, meshes[cp], ring, ckpt=ckpt)
+                except ValueError as err:  # refused before any collective, on every rank alike
+                    results[(name, cp, ring, ckpt)] = {"error": str(err)}
+    return results
+
+
+@pytest.fixture(scope="module")
+def results():
+    per_rank = spawn(_all_cases, 4, NAMES, timeout_s=900)
+    merged = {}
+    for r in per_rank:
+        for case, row in r.items():
+            if case not in merged or "error" in row:
+                merged[case] = dict(row)
+            elif "error" not in merged[case]:
+                for key in ("out_err", "grad_err"):
+                    merged[case][key] = max(merged[case][key], row[key])
+    return merged
+
+
+def _id(case):
+    name, cp, ring, ckpt = case
+    mode = "ulysses" if ring == 1 else ("ring" if ring == cp else f"usp{ring}x{cp // ring}")
+    return f"{name}-cp{cp}-{mode}" + ("-ckpt" if ckpt else "")
+
+
+@pytest.mark.parametrize("case", PARITY, ids=[_id(c) for c in PARITY])
+def test_parity(results, case):
+    r = results[case]
+    assert "error" not in r, r
+    assert r["out_err"] <= OUT_TOL, r
+    assert r["grad_err"] <= GRAD_TOL, r
+    assert not r["silent"], f"no gradient reaches {r['silent']}"
+
+
+# ---------------------------------------------------------------- library lookups (no process group)
+
+
+def test_every_tiny_case_resolves_its_default_plan():
+    from cp_lightning.check import build
+    from cp_lightning.models import plan_for
+    from cp_lightning.plan import resolve_plan
+
+    for name, case in CASES.items():
+        model = build(case)[0]
+        assert resolve_plan(model, plan_for(model)), name
+
+
+def test_library_plan_wins_over_diffusers():
+    from diffusers import ChronoEditTransformer3DModel
+
+    from cp_lightning.check import build
+    from cp_lightning.models import plan_for
+
+    model = build(CASES["chronoedit"])[0]
+    assert "timestep" in plan_for(model)[""]
+    assert "" not in ChronoEditTransformer3DModel._cp_plan  # diffusers' plan misses the per-token timestep
+
+
+def test_class_without_plan_names_the_checker():
+    from torch import nn
+
+    from cp_lightning.models import plan_for
+
+    class Custom(nn.Module):
+        pass
+
+    with pytest.raises(ValueError, match=r"python -m cp_lightning\.check.*|ContextParallelInput") as info:
+        plan_for(Custom())
+    assert "python -m cp_lightning.check" in str(info.value) and "ContextParallelInput" in str(info.value)
+
+
+def test_block_causal_skyreels_is_refused_before_any_collective():
+    from diffusers import SkyReelsV2Transformer3DModel
+
+    from cp_lightning.models import plan_for
+
+    config = dict(CASES["skyreels-v2-t2v"].config, num_frame_per_block=2)
+    with pytest.raises(ValueError, match="block-causal"):
+        plan_for(SkyReelsV2Transformer3DModel(**config))
+
+
+# ---------------------------------------------------------------- the checker CLI
+
+# diffusers' ChronoEdit plan: per-token timesteps stay whole while the tokens are split (a crash)
+CHRONOEDIT_DIFFUSERS_PLAN = __import__("diffusers").ChronoEditTransformer3DModel._cp_plan
+
+
+def _check(*args):
+    env = {**os.environ, "PYTHONPATH": os.getcwd(), "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "cp_lightning.check", *args]
+    return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+
+
+def test_checker_passes_a_library_model_and_prints_its_table():
+    run = _check("wan2.1", "--cp", "2", "--tokens", "9")
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "| ulysses |" in run.stdout and "| ring |" in run.stdout and "FAIL" not in run.stdout
+
+
+def test_checker_fails_a_wrong_plan_with_a_non_zero_exit():
+    run = _check("chronoedit", "--cp", "2", "--tokens", "9", "--plan", "tests.test_library:CHRONOEDIT_DIFFUSERS_PLAN")
+    assert run.returncode == 1, run.stdout + run.stderr
+    assert "FAIL" in run.stdout
+
+
+def test_checker_usage_errors_exit_2(capsys):
+    from cp_lightning.check import main
+
+    assert main(["NoSuchTransformer"]) == 2
+    assert "add a TinyCase" in capsys.readouterr().err
+    assert main(["wan2.1", "--cp", "4", "--ring", "3"]) == 2
+    assert main(["wan2.1", "--plan", "no_colon"]) == 2
