@@ -75,7 +75,7 @@ def main(args=None) -> list[tuple[int, float]]:
     cp = ContextParallel(accelerator, cp=args.cp, ring=args.ring, seed=args.seed)  # checks the layout first
 
     data = FluxData(
-        image_dir=args.image_dir,
+        data_dir=args.image_dir,
         cache_dir=args.cache_dir,
         pretrained=args.pretrained,
         resolution=args.resolution,

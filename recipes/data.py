@@ -1,26 +1,50 @@
-"""Data for the recipes: image or video folders with captions -> a cached HF dataset of latents and text.
+"""Data for the recipes: a folder of captioned images or videos -> bucketed, cached latents and text.
 
-Input: a folder in the ``imagefolder`` convention (media plus ``metadata.jsonl`` lines
-``{"file_name": ..., "text": ...}``; a file name may be an image, an animated GIF, or a folder of frame
-images for a video), or a dataset saved with ``datasets.save_to_disk`` with ``image`` and ``text``
-columns. ``prepare`` validates every item (a missing caption, an unreadable image or an
-empty folder is an error naming the file), encodes latents with the VAE and text with the pipeline's
-text encoders once, and writes the cache atomically, so an interrupted prepare leaves nothing behind
-and can simply be rerun. Training then reads only tensors.
+``FluxData`` and ``WanData`` are LightningDataModules. ``setup`` (on every rank) finds the media and
+captions (``recipes/media.py``), places each sample (one per image; one or more clips per video) in
+its nearest bucket (``recipes/buckets.py``), prints the bucket table and saves it as ``buckets.csv``
+in the run folder, then encodes what the cache lacks, spread over all ranks (``recipes/cache.py``);
+rank 0 writes the index. Batches hold one bucket; CP peers get the same batch. ``dry_run=true``
+prints the table with a per-GPU memory estimate and exits before encoding anything.
 """
 
 from __future__ import annotations
 
 import json
 import random
-import shutil
+import warnings
 from pathlib import Path
 
 import lightning as L
 import torch
-from PIL import Image, ImageDraw, ImageSequence
-from torch.utils.data import DataLoader, DistributedSampler
-from tqdm.auto import tqdm
+from PIL import Image, ImageDraw
+from torch.utils.data import DataLoader
+
+from recipes.buckets import (
+    DEFAULT_ASPECT_RATIOS,
+    BucketBatchSampler,
+    bucket_table,
+    format_table,
+    make_buckets,
+    memory_estimate_gib,
+    nearest,
+    parse_ratio,
+    resolutions,
+    settle_small_buckets,
+    write_csv,
+)
+from recipes.cache import (
+    EMPTY,
+    CachedDataset,
+    digest,
+    encode_entries,
+    flux_encoder,
+    model_fingerprint,
+    todo,
+    wan_encoder,
+    write_index,
+)
+from recipes.media import clip_starts, find_sources, probe
 
 COLOURS = {"red": (220, 40, 40), "green": (40, 180, 60), "blue": (40, 80, 220), "yellow": (230, 210, 40)}
 SHAPES = ("circle", "square", "triangle")
@@ -63,265 +87,425 @@ def make_shapes(folder: str | Path, n: int, size: int = 32, seed: int = 0, frame
     return folder
 
 
-def _frames(path: Path) -> list[Image.Image]:
-    """An image -> [it]; an animated image -> its frames; a folder -> its images in name order."""
-    if path.is_dir():
-        files = sorted(p for p in path.iterdir() if p.suffix.lower() in (".png", ".jpg", ".jpeg", ".webp"))
-        if not files:
-            raise ValueError(f"the frame folder {path} holds no images.")
-        return [frame for file in files for frame in _frames(file)]
-    with Image.open(path) as image:
-        return [frame.convert("RGB") for frame in ImageSequence.Iterator(image)]
-
-
-def read_items(source: str | Path, caption_column: str = "text") -> list[tuple[str, list[Image.Image], str]]:
-    """(name, RGB frames, caption) for every item; raises ValueError naming the first bad one."""
-    source = Path(source)
-    if (source / "dataset_info.json").exists() or (source / "state.json").exists():
-        import datasets
-
-        ds = datasets.load_from_disk(str(source))
-        if len(ds) == 0:
-            raise ValueError(f"the dataset saved at {source} is empty.")
-        items = []
-        for i, row in enumerate(ds):
-            if not row.get(caption_column):
-                raise ValueError(f"item {i} of the dataset at {source} has no caption in column {caption_column!r}.")
-            items.append((f"{source}[{i}]", [row["image"].convert("RGB")], row[caption_column]))
-        return items
-    metadata = source / "metadata.jsonl"
-    if not source.is_dir() or not metadata.exists():
-        raise ValueError(
-            f"{source} is not an image folder with captions: it needs images and a metadata.jsonl with lines "
-            '{"file_name": "img.png", "text": "a caption"} (or pass a dataset saved with save_to_disk).'
-        )
-    rows = [json.loads(line) for line in metadata.read_text().splitlines() if line.strip()]
-    if not rows:
-        raise ValueError(f"the image folder {source} is empty: {metadata} lists no images.")
-    items = []
-    for row in rows:
-        path = source / row.get("file_name", "")
-        caption = row.get(caption_column)
-        if not caption or not isinstance(caption, str):
-            raise ValueError(f"{path} has no caption ({caption_column!r} missing or empty in {metadata}).")
-        try:
-            items.append((str(path), _frames(path), caption))
-        except (OSError, ValueError) as err:
-            raise ValueError(f"cannot read image {path}: {err}") from None
-    return items
-
-
-def _to_tensor(frames: list[Image.Image], height: int, width: int, num_frames: int, name: str) -> torch.Tensor:
-    """F, C, H, W in [-1, 1]: the first ``num_frames`` frames, resized to ``height`` x ``width``."""
-    if len(frames) < num_frames:
-        raise ValueError(f"{name} has {len(frames)} frames; the recipe trains on clips of {num_frames}.")
-    out = []
-    for image in frames[:num_frames]:
-        if image.size != (width, height):
-            image = image.resize((width, height), Image.BICUBIC)
-        pixels = torch.frombuffer(bytearray(image.tobytes()), dtype=torch.uint8).view(height, width, 3)
-        out.append(pixels.permute(2, 0, 1).float() / 127.5 - 1.0)  # H, W, C -> C, H, W
-    return torch.stack(out)
-
-
-def flux_encoder(pipeline, max_sequence_length: int):
-    """Images -> Flux latents (C, h, w) and T5 + CLIP caption embeddings."""
-
-    def encode(pixels: torch.Tensor, captions: list[str]) -> dict[str, list]:
-        x = pixels[:, 0].to(pipeline.vae.dtype)  # B, 1, C, H, W -> B, C, H, W
-        z = pipeline.vae.encode(x).latent_dist.mode()
-        z = (z - pipeline.vae.config.shift_factor) * pipeline.vae.config.scaling_factor
-        embeds, pooled, _ = pipeline.encode_prompt(captions, prompt_2=None, max_sequence_length=max_sequence_length)
-        return {
-            "latents": list(z.float()),
-            "prompt_embeds": list(embeds.float()),
-            "pooled_prompt_embeds": list(pooled.float()),
-        }
-
-    return encode
-
-
-def wan_encoder(pipeline, max_sequence_length: int):
-    """Clips -> Wan latents (C, f, h, w), normalised as the pipeline expects, and UMT5 caption embeddings."""
-
-    def encode(pixels: torch.Tensor, captions: list[str]) -> dict[str, list]:
-        x = pixels.permute(0, 2, 1, 3, 4).to(pipeline.vae.dtype)  # B, F, C, H, W -> B, C, F, H, W
-        z = pipeline.vae.encode(x).latent_dist.mode()
-        mean = torch.tensor(pipeline.vae.config.latents_mean).view(1, -1, 1, 1, 1)
-        std = torch.tensor(pipeline.vae.config.latents_std).view(1, -1, 1, 1, 1)
-        z = (z - mean) / std
-        embeds, _ = pipeline.encode_prompt(
-            captions, do_classifier_free_guidance=False, max_sequence_length=max_sequence_length
-        )
-        return {"latents": list(z.float()), "prompt_embeds": list(embeds.float())}
-
-    return encode
-
-
-@torch.no_grad()
-def prepare(
-    source,
-    cache: str | Path,
-    encode,
-    resolution: int,
-    multiple: int,
-    num_frames: int = 1,
-    batch_size: int = 8,
-    width: int | None = None,
-) -> Path:
-    """Encode every item once with ``encode`` into a datasets cache at ``cache``, atomically.
-
-    Items are resized to ``resolution`` x ``width`` pixels (height x width; square without ``width``).
-    """
-    import datasets
-
-    width = width or resolution
-    for side in (resolution, width):
-        if side % multiple != 0:
-            raise ValueError(
-                f"resolution {side} does not fit the model: it must be a multiple of {multiple} "
-                "(VAE downsampling x the transformer's 2x2 patches)."
+def plan_samples(
+    sources,
+    buckets,
+    *,
+    video: bool,
+    fps: float | None,
+    clip_position: str,
+    clips_per_video: int,
+    skip_short_clips: bool,
+    seed: int,
+) -> list[dict]:
+    """One sample per image and per clip: its source frames and nearest bucket (before small-bucket merges)."""
+    smallest = min(b.frames for b in buckets)
+    samples = []
+    for src in sources:
+        if src.is_video and not video:
+            raise ValueError(f"{src.path} is a video; the Flux recipe trains on images (use the Wan recipe for video).")
+        p = probe(src)
+        available = p.frame_count(fps) if src.is_video else 1
+        bucket = nearest(buckets, p.width, p.height, available)
+        if bucket is None:
+            message = (
+                f"{src.path} has {available} frames{f' at {fps} fps' if fps else ''}, fewer than the shortest clip "
+                f"({smallest} frames): lower num_frames / frame_buckets or fps"
             )
-    cache = Path(cache)
-    items = read_items(source)
-    columns: dict[str, list] = {}
-    for start in tqdm(range(0, len(items), batch_size), desc="prepare: encoding", unit="batch"):
-        chunk = items[start : start + batch_size]
-        pixels = torch.stack([_to_tensor(frames, resolution, width, num_frames, name) for name, frames, _ in chunk])
-        for key, values in encode(pixels, [caption for _, _, caption in chunk]).items():
-            columns.setdefault(key, []).extend(v.numpy() for v in values)
-    columns["caption"] = [caption for _, _, caption in items]
-    table = datasets.Dataset.from_dict(columns)
-    tmp = cache.with_name(cache.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    table.save_to_disk(str(tmp))
-    shutil.rmtree(cache, ignore_errors=True)
-    tmp.rename(cache)  # only a complete cache ever appears under its final name
-    return cache
-
-
-class IndexedDataset(torch.utils.data.Dataset):
-    """The cached dataset as tensors, each item carrying its index (it seeds the item's noise)."""
-
-    def __init__(self, cache: str | Path):
-        import datasets
-
-        self.table = datasets.load_from_disk(str(cache)).with_format("torch")
-
-    def __len__(self):
-        return len(self.table)
-
-    def __getitem__(self, index):
-        row = self.table[index]
-        return {key: value for key, value in row.items() if key != "caption"} | {"index": index}
+            if not skip_short_clips:
+                raise ValueError(message + ", or set skip_short_clips=true to leave such files out.")
+            warnings.warn(message + "; skipped (skip_short_clips=true).", stacklevel=2)
+            continue
+        starts = clip_starts(available, bucket.frames, clips_per_video, clip_position, seed, src.path)
+        for k, start in enumerate(starts):
+            samples.append(
+                {
+                    "source": src,
+                    "name": src.path if src.row is None else f"{src.path}[{src.row}]",
+                    "clip": k,
+                    "caption": src.caption,
+                    "frames": p.source_frames(start, bucket.frames, fps) if src.is_video else [0],
+                    "bucket": bucket,
+                    "aspect": p.width / p.height,
+                    "available": bucket.frames,
+                }
+            )
+    return samples
 
 
 class EncodedData(L.LightningDataModule):
-    """Media folder -> cached latents and embeddings -> batches (the family's subclass says how to encode).
+    """Captioned media -> bucketed, cached latents and embeddings -> batches of one bucket.
 
     Args:
-        image_dir: imagefolder-style folder, or a dataset saved with ``save_to_disk``.
-        cache_dir: where the encoded cache (and the tiny pipeline, for ``pretrained: tiny``) lives.
+        data_dir: folder of images / videos with captions (``.txt`` beside each file, or ``metadata.jsonl`` /
+            ``metadata.csv`` with ``file_name`` and ``text``), a dataset saved with ``save_to_disk``, or a Hub
+            dataset id in the local cache (``image`` and ``text`` columns).
+        image_dir: deprecated alias of ``data_dir``.
+        cache_dir: where encoded entries (and the tiny pipeline, for ``pretrained: tiny``) live.
         pretrained: the pipeline whose VAE and text encoders encode the data (``tiny`` or a path / hub id).
-        resolution: training height in pixels (and width, unless ``width`` is given).
-        width: training width in pixels, for non-square data.
+        resolution: training height in pixels; with ``width`` (or alone, squared) it sets the pixel budget.
+        width: training width; with no ``aspect_ratios`` it makes one bucket of ``resolution`` x ``width``.
+        aspect_ratios: width / height of the resolution buckets (floats or ``"16:9"``); default: 1:2 to 2:1.
+        crop: ``center`` or ``random`` (a fixed random offset per sample): media are resized to cover the
+            bucket and cropped, never stretched.
+        small_buckets: ``merge`` (into the nearest bucket) or ``drop`` samples of buckets with fewer than
+            ``batch_size`` samples; a warning says which.
         batch_size: samples per data-parallel rank and step.
-        synthetic_samples: if > 0 and ``image_dir`` does not exist, generate this many captioned shapes there.
+        caption_dropout: probability of training a sample with the empty caption, per sample and epoch.
+        allow_empty_captions: train files without a caption on the empty caption (default: an error).
+        synthetic_samples: if > 0 and ``data_dir`` does not exist, generate this many captioned shapes there.
         max_sequence_length: text tokens per caption.
-        seed: shuffling seed.
+        encode_batch_size: samples per VAE / text-encoder call while caching.
+        vae_tiling: encode with the VAE's spatial tiling (long or high-resolution clips).
+        dry_run: print the bucket table with a per-GPU memory estimate, save ``buckets.csv`` and exit.
+        seed: shuffling, random crops and clips, caption dropout.
     """
 
     family = ""
-    num_frames = 1
+    default_dir = "outputs/data/shapes"
+    video = False
+    num_frames, frame_buckets, fps, clip_position, clips_per_video, skip_short_clips = 1, None, None, "start", 1, False
 
     def __init__(
         self,
-        image_dir: str = "outputs/data/shapes",
+        data_dir: str | None = None,
+        image_dir: str | None = None,
         cache_dir: str = "outputs/cache",
         pretrained: str = "tiny",
         resolution: int = 32,
+        width: int | None = None,
+        aspect_ratios: list[float | str] | None = None,
+        crop: str = "center",
+        small_buckets: str = "merge",
         batch_size: int = 4,
+        caption_dropout: float = 0.0,
+        allow_empty_captions: bool = False,
         synthetic_samples: int = 0,
         max_sequence_length: int = 32,
+        encode_batch_size: int = 4,
+        vae_tiling: bool = False,
+        dry_run: bool = False,
         seed: int = 0,
-        width: int | None = None,
     ):
         super().__init__()
+        if image_dir is not None:
+            warnings.warn("data.image_dir is deprecated: use data.data_dir.", FutureWarning, stacklevel=2)
+            if data_dir is not None and data_dir != image_dir:
+                raise ValueError(f"data_dir={data_dir!r} and its deprecated alias image_dir={image_dir!r} differ.")
+        self.data_dir = data_dir or image_dir or self.default_dir
+        if crop not in ("center", "random"):
+            raise ValueError(f"crop must be 'center' or 'random', got {crop!r}.")
+        if small_buckets not in ("merge", "drop"):
+            raise ValueError(f"small_buckets must be 'merge' or 'drop', got {small_buckets!r}.")
+        if not 0.0 <= caption_dropout <= 1.0:
+            raise ValueError(f"caption_dropout is a probability in [0, 1], got {caption_dropout}.")
+        if batch_size < 1 or resolution < 1:
+            raise ValueError(f"batch_size and resolution must be positive, got {batch_size} and {resolution}.")
+        self.aspect_ratios = [parse_ratio(r) for r in aspect_ratios] if aspect_ratios else None
         self.save_hyperparameters()
-        name = f"{Path(image_dir).name}-{Path(str(pretrained)).name}"
-        tag = f"{name}-{resolution}x{width or resolution}px-{self.num_frames}f-{max_sequence_length}tok"
-        self.cache = Path(cache_dir) / "encoded" / self.family / tag
         self.dataset = None
+        self.table: list[dict] = []
+
+    # -- the model's geometry, read from its configs ---------------------------------------------
+    def _pipeline_path(self) -> str:
+        from recipes.components import resolve_pretrained
+
+        return resolve_pretrained(self.family, self.hparams.pretrained, self.hparams.cache_dir)
+
+    def geometry(self) -> tuple[int, int, int]:
+        """(pixels per latent token side, frames per latent frame, latent frames per token)."""
+        raise NotImplementedError
+
+    def tokens(self, bucket) -> tuple[int, int]:
+        """(tokens CP splits, text tokens it splits too) for a sample of ``bucket``."""
+        raise NotImplementedError
 
     def encoder(self, pipeline):
         raise NotImplementedError
 
+    # -- Lightning hooks --------------------------------------------------------------------------
     def prepare_data(self) -> None:
-        from recipes.components import load_pipeline
-
         h = self.hparams
-        if h.synthetic_samples > 0 and not Path(h.image_dir).exists():
-            make_shapes(h.image_dir, h.synthetic_samples, size=h.resolution, seed=h.seed, frames=self.num_frames)
-        if not self.cache.exists():
-            pipeline = load_pipeline(self.family, h.pretrained, h.cache_dir)
-            multiple = pipeline.vae_scale_factor * 2 if self.family == "flux" else pipeline.vae_scale_factor_spatial * 2
-            prepare(
-                h.image_dir, self.cache, self.encoder(pipeline), h.resolution, multiple, self.num_frames, width=h.width
+        if h.synthetic_samples > 0 and not Path(self.data_dir).exists():
+            make_shapes(self.data_dir, h.synthetic_samples, size=h.resolution, seed=h.seed, frames=self.num_frames)
+        self._pipeline_path()  # builds the tiny pipeline once, before every rank reads it
+
+    def _layout(self):
+        """(rank, world, cp, barrier, run folder) from the Trainer, torch.distributed, or one process."""
+        trainer = self.trainer
+        if trainer is not None:
+            return (
+                trainer.global_rank,
+                trainer.world_size,
+                getattr(trainer.strategy, "cp", 1),
+                trainer.strategy.barrier,
+                Path(trainer.default_root_dir),
             )
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            d = torch.distributed
+            return d.get_rank(), d.get_world_size(), 1, d.barrier, None
+        return 0, 1, 1, lambda *a: None, None
+
+    def plan(self, cp: int = 1) -> list[dict]:
+        """Every sample with its bucket and cache key, and the bucket table in ``self.table``."""
+        h = self.hparams
+        multiple, temporal, _ = self.geometry()
+        frame_counts = sorted(set(self.frame_buckets or [self.num_frames]))
+        for f in frame_counts:
+            if f < 1 or (f - 1) % temporal:
+                raise ValueError(
+                    f"clips of {f} frames do not fit the VAE, which compresses {temporal} frames into one after the "
+                    f"first: use {temporal}k+1 frames, e.g. {(max(f - 1, 0) // temporal) * temporal + 1}."
+                )
+        for side in (h.resolution, h.width or h.resolution):
+            if side % multiple:
+                raise ValueError(
+                    f"resolution {side} does not fit the model: it must be a multiple of {multiple} "
+                    "(VAE downsampling x the transformer's 2x2 patches)."
+                )
+        pixels = h.resolution * (h.width or h.resolution)
+        ratios = self.aspect_ratios or (
+            [(h.width or h.resolution) / h.resolution] if h.width else DEFAULT_ASPECT_RATIOS
+        )
+        buckets = make_buckets(resolutions(pixels, ratios, multiple), frame_counts)
+        sources = find_sources(self.data_dir, allow_empty_captions=h.allow_empty_captions)
+        samples = plan_samples(
+            sources,
+            buckets,
+            video=self.video,
+            fps=self.fps,
+            clip_position=self.clip_position,
+            clips_per_video=self.clips_per_video,
+            skip_short_clips=self.skip_short_clips,
+            seed=h.seed,
+        )
+        if not samples:
+            raise ValueError(f"no sample of {self.data_dir} is long enough for a clip of {frame_counts[0]} frames.")
+        samples = settle_small_buckets(samples, h.batch_size, h.small_buckets)
+        model = model_fingerprint(self._pipeline_path())
+        options = {
+            "family": self.family,
+            "max_sequence_length": h.max_sequence_length,
+            "crop": h.crop,
+            "crop_seed": h.seed if h.crop == "random" else None,
+            "vae_tiling": h.vae_tiling,
+        }
+        for s in samples:
+            s["frames"] = s["frames"][: s["bucket"].frames]
+            b = s["bucket"]
+            s["key"] = digest(
+                [s["source"].stamp, s["caption"], s["frames"], [b.frames, b.height, b.width], options, model]
+            )
+        self.table = bucket_table(samples, h.batch_size, cp, self.tokens)
+        return samples
 
     def setup(self, stage: str) -> None:
-        self.dataset = IndexedDataset(self.cache)
+        if self.dataset is not None:
+            return
+        h = self.hparams
+        rank, world, cp, barrier, run_dir = self._layout()
+        samples = self.plan(cp)
+        if h.dry_run:
+            self._add_memory_estimate()
+        if rank == 0:
+            print(f"buckets ({len(samples)} samples, batch_size {h.batch_size} per dp rank, cp={cp}):")
+            print(format_table(self.table))
+            if run_dir is not None:
+                write_csv(self.table, run_dir / "buckets.csv")
+        if h.dry_run:
+            barrier()
+            raise SystemExit(0)
+        folder = Path(h.cache_dir) / "encoded" / self.family
+        if todo(samples, folder, rank, world) or (rank == 0 and not (folder / f"{EMPTY}.safetensors").exists()):
+            from recipes.components import load_pipeline
+
+            pipeline = load_pipeline(self.family, h.pretrained, h.cache_dir)
+            device = self.trainer.strategy.root_device if self.trainer is not None else torch.device("cpu")
+            pipeline.to(device)
+            if h.vae_tiling:
+                pipeline.vae.enable_tiling()
+            encode_entries(
+                samples,
+                folder,
+                self.encoder(pipeline),
+                rank=rank,
+                world=world,
+                batch_size=h.encode_batch_size,
+                crop=h.crop,
+                seed=h.seed,
+            )
+            del pipeline
+        barrier()
+        index = folder / f"index-{digest([s['key'] for s in samples])[:20]}.json"
+        if rank == 0 and not index.exists():  # its name is a digest of its keys: an existing one is current
+            write_index(samples, index)
+        barrier()
+        self.dataset = CachedDataset(index, caption_dropout=h.caption_dropout, seed=h.seed)
 
     def train_dataloader(self) -> DataLoader:
-        # One sampler for every layout: sized by the strategy (dp ranks under CP), one replica otherwise.
-        kwargs = (self.trainer.distributed_sampler_kwargs if self.trainer else None) or {"num_replicas": 1, "rank": 0}
-        sampler = DistributedSampler(self.dataset, shuffle=True, seed=self.hparams.seed, drop_last=True, **kwargs)
-        return DataLoader(self.dataset, batch_size=self.hparams.batch_size, sampler=sampler, drop_last=True)
+        # Sized by the strategy (dp ranks under CP: CP peers get the same batches), one replica otherwise.
+        trainer = self.trainer
+        kwargs = (trainer.distributed_sampler_kwargs if trainer else None) or {"num_replicas": 1, "rank": 0}
+        sampler = BucketBatchSampler(self.dataset.buckets, self.hparams.batch_size, seed=self.hparams.seed, **kwargs)
+        if len(sampler) == 0:
+            raise ValueError(
+                f"{sum(r['batches'] for r in self.table)} full batches of {self.hparams.batch_size} per epoch cannot "
+                f"give each of {kwargs['num_replicas']} data-parallel ranks one: add data or lower batch_size."
+            )
+        return DataLoader(self.dataset, batch_sampler=sampler)
+
+    def _add_memory_estimate(self) -> None:
+        """Adds ``est_gib_per_gpu`` to the table: the transformer's weights, trainable state, activations."""
+        import diffusers
+        from accelerate import init_empty_weights
+
+        from recipes.components import FAMILIES
+
+        module = self.trainer.lightning_module if self.trainer is not None else None
+        mh = dict(module.hparams) if module is not None else {}
+        cls = getattr(diffusers, FAMILIES[self.family][1])
+        config = cls.load_config(self._pipeline_path(), subfolder="transformer")
+        with init_empty_weights():
+            model = cls.from_config(config)
+        params = sum(p.numel() for p in model.parameters())
+        rank = mh.get("lora_rank", 0)
+        targets = getattr(module, "lora_targets", [])
+        if rank:
+            trainable = sum(
+                rank * (m.in_features + m.out_features)
+                for name, m in model.named_modules()
+                if isinstance(m, torch.nn.Linear) and any(name.endswith(t) for t in targets)
+            )
+        else:
+            trainable = params
+        dtype_bytes = torch.empty((), dtype=getattr(torch, mh.get("weights_dtype", "float32"))).element_size()
+        hidden = config["num_attention_heads"] * config["attention_head_dim"]
+        layers = config["num_layers"] + config.get("num_single_layers", 0)
+        for row in self.table:
+            row["est_gib_per_gpu"] = round(
+                memory_estimate_gib(
+                    params=params,
+                    trainable=trainable if rank else params,
+                    weight_bytes=dtype_bytes,
+                    hidden=hidden,
+                    layers=layers,
+                    tokens=row["tokens_per_cp_rank"],
+                    batch=self.hparams.batch_size,
+                    checkpointing=bool(mh.get("gradient_checkpointing", False)),
+                ),
+                2,
+            )
 
 
 class FluxData(EncodedData):
     __doc__ = EncodedData.__doc__
     family = "flux"
 
+    def geometry(self):
+        from diffusers import AutoencoderKL
+
+        vae = AutoencoderKL.load_config(self._pipeline_path(), subfolder="vae")
+        return 2 ** (len(vae["block_out_channels"]) - 1) * 2, 1, 1  # VAE x Flux's 2x2 latent packing
+
+    def tokens(self, bucket):
+        multiple = self.geometry()[0]
+        return (bucket.height // multiple) * (bucket.width // multiple), self.hparams.max_sequence_length
+
     def encoder(self, pipeline):
         return flux_encoder(pipeline, self.hparams.max_sequence_length)
 
 
 class WanData(EncodedData):
-    """Video clips (animated GIFs or frame folders) for Wan; see :class:`EncodedData` for the arguments.
+    """Video clips (mp4/webm/mov/gif; images count as 1-frame clips) for Wan; see :class:`EncodedData`.
 
     Args:
-        num_frames: frames per clip (Wan's VAE wants 4k+1 for its temporal compression).
+        num_frames: frames per clip: 4k+1 for Wan's VAE (the tiny VAE compresses no frames: any count).
+        frame_buckets: clip lengths to bucket by (each video takes the longest it can fill); default
+            ``[num_frames]``.
+        fps: resample videos to this frame rate first (default: keep the source's frames).
+        clip_position: where a clip starts in a longer video: ``start``, ``center`` or ``random`` (seeded).
+        clips_per_video: take up to this many non-overlapping clips from a long video.
+        skip_short_clips: leave out (with a warning) videos shorter than the shortest clip instead of
+            raising an error.
     """
 
     family = "wan"
+    default_dir = "outputs/data/moving_shapes"
+    video = True
 
     def __init__(
         self,
-        image_dir: str = "outputs/data/moving_shapes",
+        data_dir: str | None = None,
+        image_dir: str | None = None,
         cache_dir: str = "outputs/cache",
         pretrained: str = "tiny",
         resolution: int = 32,
+        width: int | None = None,
+        aspect_ratios: list[float | str] | None = None,
+        crop: str = "center",
+        small_buckets: str = "merge",
         num_frames: int = 4,
+        frame_buckets: list[int] | None = None,
+        fps: float | None = None,
+        clip_position: str = "start",
+        clips_per_video: int = 1,
+        skip_short_clips: bool = False,
         batch_size: int = 2,
+        caption_dropout: float = 0.0,
+        allow_empty_captions: bool = False,
         synthetic_samples: int = 0,
         max_sequence_length: int = 32,
+        encode_batch_size: int = 2,
+        vae_tiling: bool = False,
+        dry_run: bool = False,
         seed: int = 0,
-        width: int | None = None,
     ):
-        self.num_frames = num_frames
+        if clip_position not in ("start", "center", "random"):
+            raise ValueError(f"clip_position must be 'start', 'center' or 'random', got {clip_position!r}.")
+        if num_frames < 1 or clips_per_video < 1 or (fps is not None and fps <= 0):
+            raise ValueError(
+                f"num_frames and clips_per_video must be >= 1 and fps > 0, got {num_frames}, {clips_per_video}, {fps}."
+            )
+        self.num_frames, self.frame_buckets, self.fps = num_frames, frame_buckets, fps
+        self.clip_position, self.clips_per_video, self.skip_short_clips = (
+            clip_position,
+            clips_per_video,
+            skip_short_clips,
+        )
         super().__init__(
-            image_dir,
-            cache_dir,
-            pretrained,
-            resolution,
-            batch_size,
-            synthetic_samples,
-            max_sequence_length,
-            seed,
-            width,
+            data_dir=data_dir,
+            image_dir=image_dir,
+            cache_dir=cache_dir,
+            pretrained=pretrained,
+            resolution=resolution,
+            width=width,
+            aspect_ratios=aspect_ratios,
+            crop=crop,
+            small_buckets=small_buckets,
+            batch_size=batch_size,
+            caption_dropout=caption_dropout,
+            allow_empty_captions=allow_empty_captions,
+            synthetic_samples=synthetic_samples,
+            max_sequence_length=max_sequence_length,
+            encode_batch_size=encode_batch_size,
+            vae_tiling=vae_tiling,
+            dry_run=dry_run,
+            seed=seed,
         )
         self.save_hyperparameters()
+
+    def geometry(self):
+        from diffusers import AutoencoderKLWan, WanTransformer3DModel
+
+        path = self._pipeline_path()
+        vae = AutoencoderKLWan.load_config(path, subfolder="vae")
+        patch = WanTransformer3DModel.load_config(path, subfolder="transformer")["patch_size"]
+        return vae["scale_factor_spatial"] * patch[1], vae["scale_factor_temporal"], patch[0]
+
+    def tokens(self, bucket):
+        multiple, temporal, patch_t = self.geometry()
+        latent_frames = ((bucket.frames - 1) // temporal + 1) // patch_t
+        return latent_frames * (bucket.height // multiple) * (bucket.width // multiple), 0  # text is not split
 
     def encoder(self, pipeline):
         return wan_encoder(pipeline, self.hparams.max_sequence_length)

@@ -107,58 +107,6 @@ def test_the_tiny_wan_recipe_learns_and_its_lora_loads(tmp_path):
     assert (render() - before).abs().max() > 1e-4
 
 
-def _folder(tmp_path, rows, images=("0.png",)):
-    from PIL import Image
-
-    folder = tmp_path / "images"
-    folder.mkdir(parents=True)
-    for name in images:
-        Image.new("RGB", (8, 8), "red").save(folder / name)
-    import json
-
-    (folder / "metadata.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return folder
-
-
-def test_bad_data_errors_name_the_file(tmp_path):
-    from recipes.data import read_items
-
-    with pytest.raises(ValueError, match="0.png has no caption"):
-        read_items(_folder(tmp_path / "a", [{"file_name": "0.png"}]))
-    broken = _folder(tmp_path / "b", [{"file_name": "0.png", "text": "x"}, {"file_name": "1.png", "text": "y"}])
-    (broken / "1.png").write_bytes(b"not a png")
-    with pytest.raises(ValueError, match="cannot read image .*1.png"):
-        read_items(broken)
-    with pytest.raises(ValueError, match="is empty"):
-        read_items(_folder(tmp_path / "c", [], images=()))
-    with pytest.raises(ValueError, match="not an image folder"):
-        read_items(tmp_path / "missing")
-
-
-def test_prepare_checks_the_resolution_and_never_leaves_a_partial_cache(tmp_path, monkeypatch):
-    import datasets
-
-    from recipes.components import load_pipeline
-    from recipes.data import flux_encoder, make_shapes, prepare
-
-    pipe = load_pipeline("flux", "tiny", tmp_path)
-    images = make_shapes(tmp_path / "shapes", 4, size=32)
-    encode = flux_encoder(pipe, max_sequence_length=32)
-    with pytest.raises(ValueError, match="resolution 30 does not fit the model"):
-        prepare(images, tmp_path / "cache", encode, resolution=30, multiple=4)
-
-    def interrupted(self, *args, **kwargs):
-        raise KeyboardInterrupt
-
-    with monkeypatch.context() as m:
-        m.setattr(datasets.Dataset, "save_to_disk", interrupted)
-        with pytest.raises(KeyboardInterrupt):
-            prepare(images, tmp_path / "cache", encode, resolution=32, multiple=4)
-    assert not (tmp_path / "cache").exists()  # nothing under the cache's name
-    prepare(images, tmp_path / "cache", encode, resolution=32, multiple=4)  # a rerun just works
-    assert len(datasets.load_from_disk(str(tmp_path / "cache"))) == 4
-
-
 def test_full_fine_tuning_saves_a_loadable_transformer(default_run, tmp_path):
     _, tmp = default_run
     run = run_recipe(tmp_path, "full", "--model.lora_rank=0", "--trainer.max_steps=2", cache=tmp)
@@ -168,21 +116,3 @@ def test_full_fine_tuning_saves_a_loadable_transformer(default_run, tmp_path):
     base = FluxTransformer2DModel.from_pretrained(str(tmp / "cache" / "tiny_flux_pipeline"), subfolder="transformer")
     moved = max((a - b).abs().max().item() for a, b in zip(trained.parameters(), base.parameters(), strict=True))
     assert moved > 0 and (run / "samples.png").exists()
-
-
-def test_a_dataset_saved_on_disk_is_read_like_a_folder(tmp_path):
-    import datasets
-    from PIL import Image
-
-    from recipes.data import read_items
-
-    images = [Image.new("RGB", (8, 8), colour) for colour in ("red", "blue")]
-    datasets.Dataset.from_dict({"image": images, "text": ["a red square", "a blue square"]}).save_to_disk(
-        str(tmp_path / "saved")
-    )
-    items = read_items(tmp_path / "saved")
-    assert [caption for _, _, caption in items] == ["a red square", "a blue square"]
-    assert items[0][1][0].size == (8, 8)
-    datasets.Dataset.from_dict({"image": images, "text": ["a red square", ""]}).save_to_disk(str(tmp_path / "bad"))
-    with pytest.raises(ValueError, match=r"item 1 of the dataset .* has no caption"):
-        read_items(tmp_path / "bad")

@@ -1,0 +1,213 @@
+"""Buckets: training shapes for a pixel budget, samples placed in the nearest one, batches of one bucket.
+
+A bucket is (frames, height, width). Resolutions come from a pixel budget and a list of aspect ratios
+(each side a multiple of what the model needs), frame counts from a list. A sample goes to the bucket
+nearest its aspect ratio among those whose frame count it can fill (the longest such). Buckets too
+small for one batch are merged into their nearest neighbour, or dropped, with a warning either way.
+
+:class:`BucketBatchSampler` gives every batch one bucket. It is sized by data-parallel ranks only: CP
+peers (same dp rank) get the same batches, dp ranks different ones; which batches a rank gets depends
+only on (seed, epoch, dp layout), and every rank takes the same number of steps.
+"""
+
+from __future__ import annotations
+
+import csv
+import math
+import random
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+DEFAULT_ASPECT_RATIOS = (0.5, 0.5625, 0.6667, 0.75, 1.0, 1.3333, 1.5, 1.7778, 2.0)  # width / height
+
+
+@dataclass(frozen=True, order=True)
+class Bucket:
+    frames: int
+    height: int
+    width: int
+
+    @property
+    def name(self) -> str:
+        return f"{self.width}x{self.height}" + (f"x{self.frames}f" if self.frames > 1 else "")
+
+
+def parse_ratio(value) -> float:
+    """1.5, "3:2" or "1.5" -> width / height."""
+    if isinstance(value, str) and ":" in value:
+        w, h = value.split(":")
+        return float(w) / float(h)
+    return float(value)
+
+
+def resolutions(pixels: int, aspect_ratios, multiple: int) -> list[tuple[int, int]]:
+    """(height, width) per aspect ratio, about ``pixels`` in area, sides multiples of ``multiple``."""
+    out = []
+    for ratio in aspect_ratios:
+        ratio = parse_ratio(ratio)
+        if ratio <= 0:
+            raise ValueError(f"aspect ratios must be positive (width / height), got {ratio}.")
+        h = max(multiple, round(math.sqrt(pixels / ratio) / multiple) * multiple)
+        w = max(multiple, round(math.sqrt(pixels * ratio) / multiple) * multiple)
+        if (h, w) not in out:
+            out.append((h, w))
+    return out
+
+
+def make_buckets(sizes: list[tuple[int, int]], frame_counts: list[int]) -> list[Bucket]:
+    return sorted(Bucket(f, h, w) for f in frame_counts for h, w in sizes)
+
+
+def _distance(bucket: Bucket, aspect: float) -> float:
+    return abs(math.log(bucket.width / bucket.height) - math.log(aspect))
+
+
+def nearest(buckets: list[Bucket], width: int, height: int, available: int) -> Bucket | None:
+    """The bucket nearest the aspect ratio among those with the most frames ``available`` allows."""
+    fitting = [b for b in buckets if b.frames <= available]
+    if not fitting:
+        return None
+    frames = max(b.frames for b in fitting)
+    return min((b for b in fitting if b.frames == frames), key=lambda b: (_distance(b, width / height), b))
+
+
+def settle_small_buckets(samples: list[dict], batch_size: int, policy: str, min_size: int | None = None) -> list[dict]:
+    """Move (``merge``) or remove (``drop``) samples of buckets holding fewer than ``min_size`` samples
+    (default ``batch_size``), warning with the numbers. Each sample has ``bucket``, ``aspect``, ``available``."""
+    min_size = min_size or batch_size
+    counts: dict[Bucket, int] = {}
+    for s in samples:
+        counts[s["bucket"]] = counts.get(s["bucket"], 0) + 1
+    small = {b for b, n in counts.items() if n < min_size}
+    if not small:
+        return samples
+    big = [b for b in counts if b not in small]
+    kept, moved, dropped = [], 0, 0
+    for s in samples:
+        if s["bucket"] not in small:
+            kept.append(s)
+            continue
+        target = nearest(big, s["aspect"], 1.0, s["available"]) if policy == "merge" and big else None
+        if target is None:
+            dropped += 1
+            continue
+        kept.append({**s, "bucket": target})
+        moved += 1
+    names = ", ".join(f"{b.name} ({counts[b]})" for b in sorted(small))
+    warnings.warn(
+        f"buckets with fewer than {min_size} samples: {names}; {moved} samples merged into the nearest larger "
+        f"bucket, {dropped} dropped (small_buckets={policy!r}). Add data, lower batch_size or use fewer "
+        "aspect_ratios / frame_buckets to keep them.",
+        stacklevel=2,
+    )
+    if not kept:
+        raise ValueError(
+            f"every bucket holds fewer than {min_size} samples ({names}): nothing is left to train on; "
+            "lower batch_size or use fewer aspect_ratios / frame_buckets."
+        )
+    return kept
+
+
+class BucketBatchSampler:
+    """Batches of one bucket each, shuffled per epoch, split over data-parallel ranks.
+
+    ``buckets[i]`` is sample i's bucket. Each epoch: every bucket's samples are shuffled and cut into
+    full batches (a remainder is left for that epoch), the batches shuffled together, and dp rank r
+    takes batches r, r + dp, ... (all ranks the same count). Items are ``(index, epoch)`` so the dataset
+    can draw per-sample randomness (caption dropout) from (seed, epoch, index).
+    """
+
+    def __init__(self, buckets: list, batch_size: int, *, num_replicas: int = 1, rank: int = 0, seed: int = 0):
+        self.buckets, self.batch_size = list(buckets), batch_size
+        self.num_replicas, self.rank, self.seed, self.epoch = num_replicas, rank, seed, 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def _batches(self) -> list[list[int]]:
+        rng = random.Random(self.seed * 1_000_003 + self.epoch)
+        groups: dict = {}
+        for i, b in enumerate(self.buckets):
+            groups.setdefault(b, []).append(i)
+        batches = []
+        for b in sorted(groups):
+            members = groups[b]
+            rng.shuffle(members)
+            batches += [
+                members[k : k + self.batch_size] for k in range(0, len(members) - self.batch_size + 1, self.batch_size)
+            ]
+        rng.shuffle(batches)
+        return batches[: len(batches) // self.num_replicas * self.num_replicas]
+
+    def __iter__(self):
+        for batch in self._batches()[self.rank :: self.num_replicas]:
+            yield [(i, self.epoch) for i in batch]
+
+    def __len__(self) -> int:
+        return len(self._batches()) // self.num_replicas
+
+
+def bucket_table(samples: list[dict], batch_size: int, cp: int, tokens) -> list[dict]:
+    """One row per bucket: samples, full batches per epoch, tokens per sample and per CP rank.
+    ``tokens(bucket)`` -> (split tokens, text tokens); the split sequence must have >= cp tokens."""
+    counts: dict[Bucket, list[str]] = {}
+    for s in samples:
+        counts.setdefault(s["bucket"], []).append(s["name"])
+    rows = []
+    for b in sorted(counts):
+        split, text = tokens(b)
+        if split < cp:
+            raise ValueError(
+                f"bucket {b.name} ({counts[b][0]} and {len(counts[b]) - 1} more) has {split} tokens, fewer than "
+                f"cp={cp}: raise the resolution (or num_frames) or lower cp."
+            )
+        rows.append(
+            {
+                "bucket": b.name,
+                "frames": b.frames,
+                "height": b.height,
+                "width": b.width,
+                "samples": len(counts[b]),
+                "batches": len(counts[b]) // batch_size,
+                "tokens_per_sample": split + text,
+                "tokens_per_cp_rank": math.ceil(split / cp) + (math.ceil(text / cp) if text else 0),
+            }
+        )
+    return rows
+
+
+def format_table(rows: list[dict], extra: str | None = None) -> str:
+    keys = list(rows[0]) + ([extra] if extra and extra not in rows[0] else [])
+    cells = [keys] + [[str(r.get(k, "")) for k in keys] for r in rows]
+    widths = [max(len(c[i]) for c in cells) for i in range(len(keys))]
+    lines = ["  ".join(c.rjust(w) for c, w in zip(row, widths, strict=True)) for row in cells]
+    return "\n".join([lines[0], "  ".join("-" * w for w in widths), *lines[1:]])
+
+
+def write_csv(rows: list[dict], path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+
+
+def memory_estimate_gib(
+    *,
+    params: int,
+    trainable: int,
+    weight_bytes: int,
+    hidden: int,
+    layers: int,
+    tokens: int,
+    batch: int,
+    checkpointing: bool,
+) -> float:
+    """A rough per-GPU peak: weights, trainable fp32 weights + grads + AdamW moments (16 B each), and
+    activations of ``tokens`` (per CP rank) x ``batch``: ~34 bytes x hidden per token and layer in
+    16-bit (Korthikanti et al. 2022, attention scores not kept by flash kernels), or only each block's
+    input plus one block's worth with gradient checkpointing."""
+    per_layer = 34 * hidden * tokens * batch * weight_bytes / 2
+    acts = (layers * hidden * tokens * batch * weight_bytes + per_layer) if checkpointing else layers * per_layer
+    return (params * weight_bytes + trainable * 16 + acts) / 2**30
