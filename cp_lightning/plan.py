@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -39,6 +39,24 @@ class ResolvedEntry:
     path: str
     modules: tuple[tuple[str, nn.Module], ...]
     spec: object
+
+
+@dataclass(frozen=True, repr=False)
+class JointInput(ContextParallelInput):
+    """A tensor laid out along ``split_dim`` as the concatenation of sequences the plan splits apart.
+
+    E.g. HunyuanVideo's key mask over [image, text], built in ``forward`` from the full lengths, while
+    the plan splits image and text tokens separately: rank r's joint sequence is [image_r, text_r], so
+    its mask must be [mask_image_r, mask_text_r], not the r-th chunk of the whole mask. ``segments``
+    names the split arguments (in order) whose full lengths give the segments' sizes; each must be split
+    by the plan before this tensor is (earlier in the forward, or earlier in the same entry). Each
+    segment is then split like its argument and this rank's pieces are concatenated.
+    """
+
+    segments: tuple[str, ...] = field(default=())
+
+    def __repr__(self) -> str:
+        return f"JointInput(split_dim={self.split_dim}, expected_dims={self.expected_dims}, segments={self.segments})"
 
 
 def default_plan(module: nn.Module) -> Mapping:
@@ -145,6 +163,7 @@ class SplitState:
 
     def __init__(self) -> None:
         self.even = True
+        self.lengths: dict[str, int] = {}  # full length of each split argument, by name (for JointInput)
 
 
 def _split(x: torch.Tensor, spec: ContextParallelInput, group, where: str, check=None, state=None) -> torch.Tensor:
@@ -189,20 +208,59 @@ def _split_inputs_hook(name: str, spec: Mapping, group, module: nn.Module, check
     params = list(inspect.signature(module.forward).parameters)
     by_name = {key: value for key, value in spec.items() if isinstance(key, str)}
 
+    # joint tensors last: their segments' lengths are recorded while the other arguments are split
+    order = sorted(by_name, key=lambda arg: isinstance(by_name[arg], JointInput))
+
+    def split(value, arg):
+        arg_spec, where = by_name[arg], f"{name or '<root>'}({arg})"
+        if isinstance(arg_spec, JointInput):
+            return _split_joint(value, arg_spec, group, where, check, state)
+        if state is not None and isinstance(value, torch.Tensor) and value.dim() > arg_spec.split_dim:
+            state.lengths[arg] = value.shape[arg_spec.split_dim]
+        return _split_value(value, arg_spec, group, where, check, state)
+
     def hook(_module, args, kwargs):
         args = list(args)
-        for arg, arg_spec in by_name.items():
-            where = f"{name or '<root>'}({arg})"
+        for arg in order:
             if arg in kwargs:
                 if kwargs[arg] is not None:
-                    kwargs[arg] = _split_value(kwargs[arg], arg_spec, group, where, check, state)
+                    kwargs[arg] = split(kwargs[arg], arg)
             else:
                 index = params.index(arg)
                 if index < len(args) and args[index] is not None:
-                    args[index] = _split_value(args[index], arg_spec, group, where, check, state)
+                    args[index] = split(args[index], arg)
         return tuple(args), kwargs
 
     return hook
+
+
+def _split_joint(x, spec: JointInput, group, where: str, check=None, state=None) -> torch.Tensor:
+    """Split each segment of a :class:`JointInput` like its argument; concatenate this rank's pieces."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{where}: a JointInput splits one tensor, got a {type(x).__name__}.")
+    if spec.expected_dims is not None and x.dim() != spec.expected_dims:
+        raise ValueError(f"{where}: expected a {spec.expected_dims}-d tensor, got shape {tuple(x.shape)}.")
+    lengths = {} if state is None else state.lengths
+    missing = [seg for seg in spec.segments if seg not in lengths]
+    if missing:
+        raise ValueError(
+            f"{where}: JointInput segments {missing} were not split before it; split those arguments earlier in "
+            "the plan (an earlier module, or the same entry)."
+        )
+    sizes = [lengths[seg] for seg in spec.segments]
+    if sum(sizes) != x.shape[spec.split_dim]:
+        raise ValueError(
+            f"{where}: dim {spec.split_dim} has {x.shape[spec.split_dim]} elements, but its segments "
+            f"{dict(zip(spec.segments, sizes, strict=True))} add up to {sum(sizes)}."
+        )
+    if check is not None:
+        check(where, x)
+    world = dist.get_world_size(group)
+    if state is not None and any(size % world for size in sizes):
+        state.even = False
+    return torch.cat(
+        [collectives.shard(part, spec.split_dim, group) for part in x.split(sizes, spec.split_dim)], spec.split_dim
+    )
 
 
 def _split_outputs_hook(name: str, spec: Mapping, group, state=None) -> Callable:

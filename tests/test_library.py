@@ -18,7 +18,15 @@ from cp_lightning.check import GRAD_TOL, OUT_TOL
 from cp_lightning.models import CASES
 from tests.distributed import spawn
 
-NAMES = sorted(CASES) if not os.environ.get("CP_LIBRARY_CASES") else os.environ["CP_LIBRARY_CASES"].split(",")
+# cases whose plan needs an engine feature that has not landed yet (issue 13's engine half)
+PENDING = {
+    name: CASES[name].cls for name in ("hunyuanvideo", "hunyuanvideo-1.5", "chroma", "sd3", "sd3.5", "kandinsky5")
+}
+NAMES = (
+    sorted(set(CASES) - set(PENDING))
+    if not os.environ.get("CP_LIBRARY_CASES")
+    else os.environ["CP_LIBRARY_CASES"].split(",")
+)
 TOKENS = 21  # neither 2 nor 4 divides it
 LAYOUTS = [(2, 1), (2, 2), (4, 1), (4, 4), (4, 2)]  # (cp, ring): Ulysses, ring, Ulysses, ring, USP 2x2
 PARITY = [(name, cp, ring, ckpt) for name in NAMES for cp, ring in LAYOUTS for ckpt in (False, True)]
@@ -152,3 +160,19 @@ def test_checker_usage_errors_exit_2(capsys):
     assert "add a TinyCase" in capsys.readouterr().err
     assert main(["wan2.1", "--cp", "4", "--ring", "3"]) == 2
     assert main(["wan2.1", "--plan", "no_colon"]) == 2
+
+
+REFUSED = [("HiDreamImageTransformer2DModel", "MoE"), ("SanaTransformer2DModel", "linear")]
+
+
+@pytest.mark.parametrize("cls, reason", REFUSED)
+def test_models_that_cannot_be_exact_are_refused_with_the_reason(cls, reason):
+    from cp_lightning.models import PLANS, plan_for
+
+    class Stub(__import__("torch").nn.Module):
+        pass
+
+    Stub.__name__ = cls  # the lookup is by class name; building the real models is not needed to refuse them
+    with pytest.raises(ValueError, match=reason):
+        plan_for(Stub())
+    assert PLANS[cls].plan is None

@@ -119,7 +119,7 @@ def plan_for(module: nn.Module) -> Mapping:
 
 
 def _load() -> None:
-    from cp_lightning.models import flux, qwenimage, wan  # noqa: F401
+    from cp_lightning.models import chroma, flux, hunyuan, kandinsky, minimax, qwenimage, refused, sd3, wan, zimage  # noqa: F401
 
 
 _load()
