@@ -76,6 +76,7 @@ def main(args=None) -> list[tuple[int, float]]:
 
     data = FluxData(
         data_dir=args.image_dir,
+        aspect_ratios=[1.0],  # one square bucket: this loop batches with a plain shuffled DataLoader
         cache_dir=args.cache_dir,
         pretrained=args.pretrained,
         resolution=args.resolution,

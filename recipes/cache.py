@@ -128,7 +128,14 @@ def encode_entries(
             chunk = members[start : start + batch_size]
             pixels = torch.stack(
                 [
-                    to_pixels(load_frames(s["source"], s["frames"]), bucket.height, bucket.width, crop, seed, s["key"])
+                    to_pixels(
+                        load_frames(s["source"], s["frames"], s.get("times")),
+                        bucket.height,
+                        bucket.width,
+                        crop,
+                        seed,
+                        s["key"],
+                    )
                     for s in chunk
                 ]
             )

@@ -44,7 +44,7 @@ from recipes.cache import (
     wan_encoder,
     write_index,
 )
-from recipes.media import clip_starts, find_sources, probe
+from recipes.media import ProbeCache, clip_starts, find_sources, probe
 
 COLOURS = {"red": (220, 40, 40), "green": (40, 180, 60), "blue": (40, 80, 220), "yellow": (230, 210, 40)}
 SHAPES = ("circle", "square", "triangle")
@@ -97,6 +97,7 @@ def plan_samples(
     clips_per_video: int,
     skip_short_clips: bool,
     seed: int,
+    probe=probe,
 ) -> list[dict]:
     """One sample per image and per clip: its source frames and nearest bucket (before small-bucket merges)."""
     smallest = min(b.frames for b in buckets)
@@ -125,6 +126,7 @@ def plan_samples(
                     "clip": k,
                     "caption": src.caption,
                     "frames": p.source_frames(start, bucket.frames, fps) if src.is_video else [0],
+                    "times": p.times if src.is_video else None,
                     "bucket": bucket,
                     "aspect": p.width / p.height,
                     "available": bucket.frames,
@@ -156,6 +158,7 @@ class EncodedData(L.LightningDataModule):
         synthetic_samples: if > 0 and ``data_dir`` does not exist, generate this many captioned shapes there.
         max_sequence_length: text tokens per caption.
         encode_batch_size: samples per VAE / text-encoder call while caching.
+        encode_dtype: dtype the VAE and text encoders run in while caching (``bfloat16`` halves their memory).
         vae_tiling: encode with the VAE's spatial tiling (long or high-resolution clips).
         dry_run: print the bucket table with a per-GPU memory estimate, save ``buckets.csv`` and exit.
         seed: shuffling, random crops and clips, caption dropout.
@@ -183,6 +186,7 @@ class EncodedData(L.LightningDataModule):
         synthetic_samples: int = 0,
         max_sequence_length: int = 32,
         encode_batch_size: int = 4,
+        encode_dtype: str = "float32",
         vae_tiling: bool = False,
         dry_run: bool = False,
         seed: int = 0,
@@ -199,12 +203,18 @@ class EncodedData(L.LightningDataModule):
             raise ValueError(f"small_buckets must be 'merge' or 'drop', got {small_buckets!r}.")
         if not 0.0 <= caption_dropout <= 1.0:
             raise ValueError(f"caption_dropout is a probability in [0, 1], got {caption_dropout}.")
+        if not isinstance(getattr(torch, encode_dtype, None), torch.dtype):
+            raise ValueError(f"encode_dtype must name a torch dtype such as 'bfloat16', got {encode_dtype!r}.")
         if batch_size < 1 or resolution < 1:
             raise ValueError(f"batch_size and resolution must be positive, got {batch_size} and {resolution}.")
         self.aspect_ratios = [parse_ratio(r) for r in aspect_ratios] if aspect_ratios else None
         self.save_hyperparameters()
         self.dataset = None
         self.table: list[dict] = []
+
+    @property
+    def cache_folder(self) -> Path:
+        return Path(self.hparams.cache_dir) / "encoded" / self.family
 
     # -- the model's geometry, read from its configs ---------------------------------------------
     def _pipeline_path(self) -> str:
@@ -269,6 +279,7 @@ class EncodedData(L.LightningDataModule):
         )
         buckets = make_buckets(resolutions(pixels, ratios, multiple), frame_counts)
         sources = find_sources(self.data_dir, allow_empty_captions=h.allow_empty_captions)
+        probes = ProbeCache(self.cache_folder / "probes.json")
         samples = plan_samples(
             sources,
             buckets,
@@ -278,7 +289,10 @@ class EncodedData(L.LightningDataModule):
             clips_per_video=self.clips_per_video,
             skip_short_clips=self.skip_short_clips,
             seed=h.seed,
+            probe=probes,
         )
+        if self._layout()[0] == 0:
+            probes.save()
         if not samples:
             raise ValueError(f"no sample of {self.data_dir} is long enough for a clip of {frame_counts[0]} frames.")
         samples = settle_small_buckets(samples, h.batch_size, h.small_buckets)
@@ -289,6 +303,7 @@ class EncodedData(L.LightningDataModule):
             "crop": h.crop,
             "crop_seed": h.seed if h.crop == "random" else None,
             "vae_tiling": h.vae_tiling,
+            "encode_dtype": h.encode_dtype,
         }
         for s in samples:
             s["frames"] = s["frames"][: s["bucket"].frames]
@@ -315,13 +330,14 @@ class EncodedData(L.LightningDataModule):
         if h.dry_run:
             barrier()
             raise SystemExit(0)
-        folder = Path(h.cache_dir) / "encoded" / self.family
+        folder = self.cache_folder
         if todo(samples, folder, rank, world) or (rank == 0 and not (folder / f"{EMPTY}.safetensors").exists()):
             from recipes.components import load_pipeline
 
-            pipeline = load_pipeline(self.family, h.pretrained, h.cache_dir)
+            dtype = getattr(torch, h.encode_dtype)
+            pipeline = load_pipeline(self.family, h.pretrained, h.cache_dir, torch_dtype=dtype)
             device = self.trainer.strategy.root_device if self.trainer is not None else torch.device("cpu")
-            pipeline.to(device)
+            pipeline.to(device)  # each rank encodes its share on its own device
             if h.vae_tiling:
                 pipeline.vae.enable_tiling()
             encode_entries(
@@ -335,6 +351,8 @@ class EncodedData(L.LightningDataModule):
                 seed=h.seed,
             )
             del pipeline
+            if device.type == "cuda":
+                torch.cuda.empty_cache()  # the encoders leave before the transformer arrives
         barrier()
         index = folder / f"index-{digest([s['key'] for s in samples])[:20]}.json"
         if rank == 0 and not index.exists():  # its name is a digest of its keys: an existing one is current
@@ -382,19 +400,17 @@ class EncodedData(L.LightningDataModule):
         hidden = config["num_attention_heads"] * config["attention_head_dim"]
         layers = config["num_layers"] + config.get("num_single_layers", 0)
         for row in self.table:
-            row["est_gib_per_gpu"] = round(
-                memory_estimate_gib(
-                    params=params,
-                    trainable=trainable if rank else params,
-                    weight_bytes=dtype_bytes,
-                    hidden=hidden,
-                    layers=layers,
-                    tokens=row["tokens_per_cp_rank"],
-                    batch=self.hparams.batch_size,
-                    checkpointing=bool(mh.get("gradient_checkpointing", False)),
-                ),
-                2,
+            gib = memory_estimate_gib(
+                params=params,
+                trainable=trainable,
+                weight_bytes=dtype_bytes,
+                hidden=hidden,
+                layers=layers,
+                tokens=row["tokens_per_cp_rank"],
+                batch=self.hparams.batch_size,
+                checkpointing=bool(mh.get("gradient_checkpointing", False)),
             )
+            row["est_gib_per_gpu"] = float(f"{gib:.4g}")  # tiny models need the digits
 
 
 class FluxData(EncodedData):
@@ -456,6 +472,7 @@ class WanData(EncodedData):
         synthetic_samples: int = 0,
         max_sequence_length: int = 32,
         encode_batch_size: int = 2,
+        encode_dtype: str = "float32",
         vae_tiling: bool = False,
         dry_run: bool = False,
         seed: int = 0,
@@ -488,6 +505,7 @@ class WanData(EncodedData):
             synthetic_samples=synthetic_samples,
             max_sequence_length=max_sequence_length,
             encode_batch_size=encode_batch_size,
+            encode_dtype=encode_dtype,
             vae_tiling=vae_tiling,
             dry_run=dry_run,
             seed=seed,

@@ -9,10 +9,12 @@ dataset saved with ``datasets.save_to_disk`` (or a Hub dataset in the local cach
 
 from __future__ import annotations
 
+import bisect
 import csv
 import hashlib
 import json
 import math
+import os
 import random
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -198,6 +200,42 @@ def probe(source: Source) -> Probe:
     return Probe(width, height, times)
 
 
+class ProbeCache:
+    """Probes of files by (path, size, mtime), kept in a JSON file: a restart reads container headers once.
+    Constant-frame-rate times are stored as (first, step, count)."""
+
+    def __init__(self, path: Path | None):
+        self.path, self.changed = path, False
+        self.table = json.loads(path.read_text()) if path is not None and path.exists() else {}
+
+    def __call__(self, source: Source) -> Probe:
+        if source.row is not None or self.path is None:
+            return probe(source)
+        key = hashlib.sha256(json.dumps(source.stamp).encode()).hexdigest()[:32]
+        if key in self.table:
+            w, h, times = self.table[key]
+            if isinstance(times, dict):
+                times = [times["first"] + k * times["step"] for k in range(times["count"])]
+            return Probe(w, h, times)
+        p = probe(source)
+        times: list | dict = p.times
+        if len(p.times) > 2:
+            step = (p.times[-1] - p.times[0]) / (len(p.times) - 1)
+            if all(abs(t - (p.times[0] + k * step)) < 1e-7 for k, t in enumerate(p.times)):
+                times = {"first": p.times[0], "step": step, "count": len(p.times)}
+        self.table[key] = [p.width, p.height, times]
+        self.changed = True
+        return p
+
+    def save(self) -> None:
+        if self.changed and self.path is not None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
+            tmp.write_text(json.dumps(self.table))
+            os.replace(tmp, self.path)
+            self.changed = False
+
+
 def clip_starts(available: int, num_frames: int, clips: int, position: str, seed: int, name: str) -> list[int]:
     """Start frames of up to ``clips`` non-overlapping clips of ``num_frames`` at ``position``."""
     count = max(1, min(clips, available // num_frames))
@@ -215,8 +253,10 @@ def _rng(seed: int, name: str) -> random.Random:
     return random.Random(int(hashlib.sha256(f"{seed}:{name}".encode()).hexdigest()[:16], 16))
 
 
-def load_frames(source: Source, frames: list[int]) -> list[Image.Image]:
-    """The RGB source frames with the given indices (sorted, repeats allowed)."""
+def load_frames(source: Source, frames: list[int], times: list[float] | None = None) -> list[Image.Image]:
+    """The RGB source frames with the given indices (sorted, repeats allowed). With the probe's frame
+    ``times``, a clip deep into a long video is reached by seeking to the keyframe before it, and
+    decoded frames are matched to indices by their timestamps."""
     if source.row is not None:
         return [source.dataset[source.row]["image"].convert("RGB")]
     if not source.is_video:
@@ -230,7 +270,18 @@ def load_frames(source: Source, frames: list[int]) -> list[Image.Image]:
     wanted, out = set(frames), {}
     try:
         with av.open(source.path) as container:
-            for i, frame in enumerate(container.decode(video=0)):
+            stream = container.streams.video[0]
+            seek = times is not None and frames[0] > 0
+            if seek:
+                container.seek(int(round(times[frames[0]] / stream.time_base)), stream=stream, backward=True)
+            for count, frame in enumerate(container.decode(stream)):
+                i = count
+                if seek:
+                    if frame.pts is None:
+                        raise ValueError("a decoded frame has no timestamp to seek by")
+                    t = float(frame.pts * stream.time_base)
+                    j = bisect.bisect_left(times, t - 1e-6)
+                    i = min((k for k in (j - 1, j) if 0 <= k < len(times)), key=lambda k: abs(times[k] - t))
                 if i in wanted:
                     out[i] = frame.to_image().convert("RGB")
                 if i >= frames[-1]:

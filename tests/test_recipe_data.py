@@ -125,12 +125,16 @@ def test_bad_input_errors_name_the_file(tmp_path):
         find_sources(tmp_path / "missing")
 
 
-def test_videos_resample_to_fps_and_clips_start_where_asked(tmp_path):
-    from recipes.media import Source, clip_starts, load_frames, probe
+def test_videos_resample_to_fps_and_clips_start_where_asked(tmp_path, monkeypatch):
+    import recipes.media
+    from recipes.media import ProbeCache, Source, clip_starts, load_frames, probe
 
+    probes = ProbeCache(tmp_path / "probes.json")
     for ext in (".mp4", ".webm", ".mov", ".gif"):
-        src = Source(str(write_video(tmp_path / f"v{ext}", 12, 48, 32, fps=8)), "x", True)
-        p = probe(src)
+        path = write_video(tmp_path / f"v{ext}", 12, 48, 32, fps=8)
+        src = Source(str(path), "x", True, (path.name, path.stat().st_size, path.stat().st_mtime_ns))
+        p = probes(src)
+        assert p == probe(src)
         assert (p.width, p.height, len(p.times)) == (48, 32, 12), ext
         assert p.frame_count(None) == 12 and p.frame_count(4) == 6  # 1.375 s at 4 fps: frames at 0, 0.25, ...
         indices = p.source_frames(1, 3, 4)
@@ -138,6 +142,18 @@ def test_videos_resample_to_fps_and_clips_start_where_asked(tmp_path):
         frames = load_frames(src, indices)
         bars = [int(np.asarray(f.convert("L"), np.float32).mean(0).argmax()) // 4 for f in frames]
         assert bars == [2, 4, 6], (ext, bars)  # the bar of source frame k sits at column 4k
+        late = load_frames(src, [7, 9, 9], p.times)  # by seeking and matching timestamps
+        assert [int(np.asarray(f.convert("L"), np.float32).mean(0).argmax()) // 4 for f in late] == [7, 9, 9], ext
+    probes.save()
+    with monkeypatch.context() as m:
+        m.setattr(recipes.media, "probe", None)  # a restart reads the saved probes, not the files
+        again = ProbeCache(tmp_path / "probes.json")
+        for ext in (".mp4", ".gif"):
+            path = tmp_path / f"v{ext}"
+            src = Source(str(path), "x", True, (path.name, path.stat().st_size, path.stat().st_mtime_ns))
+            cached, fresh = again(src), probes(src)
+            assert (cached.width, cached.height) == (fresh.width, fresh.height) == (48, 32)
+            assert cached.times == pytest.approx(fresh.times, abs=1e-9)
     assert clip_starts(12, 5, 1, "start", 0, "a") == [0]
     assert clip_starts(12, 5, 1, "center", 0, "a") == [3]
     assert clip_starts(12, 5, 2, "center", 0, "a") == [1, 6]
@@ -181,6 +197,18 @@ def test_buckets_nearest_merge_and_drop_and_the_token_check():
     ]
     with pytest.raises(ValueError, match=r"bucket 32x32 \(s0 and 4 more\) has 1 tokens, fewer than cp=2"):
         bucket_table(merged, 2, 2, lambda b: (1, 0))
+
+
+def test_the_memory_estimate_counts_weights_optimizer_state_and_activations():
+    from recipes.buckets import memory_estimate_gib
+
+    base = {"params": 2**30, "trainable": 0, "weight_bytes": 2, "hidden": 1024, "layers": 10, "batch": 1}
+    assert memory_estimate_gib(**base, tokens=0, checkpointing=False) == 2.0  # 1 Gi bf16 weights
+    assert memory_estimate_gib(**base | {"trainable": 2**26}, tokens=0, checkpointing=False) == 3.0  # + 16 B each
+    full = memory_estimate_gib(**base, tokens=2**14, checkpointing=False) - 2.0
+    assert full == pytest.approx(10 * 34 * 1024 * 2**14 / 2**30)  # 34 bytes x hidden per token and layer
+    recomputed = memory_estimate_gib(**base, tokens=2**14, checkpointing=True) - 2.0
+    assert recomputed == pytest.approx((10 * 2 * 1024 * 2**14 + 34 * 1024 * 2**14) / 2**30) and recomputed < full
 
 
 def test_batches_hold_one_bucket_cp_peers_agree_and_dp_ranks_differ():
@@ -237,7 +265,7 @@ def test_editing_a_caption_reencodes_that_sample_and_an_interrupt_leaves_no_part
         m.setattr(recipes.cache, "save_file", dying)
         with pytest.raises(KeyboardInterrupt):
             _data(folder, cache)
-    left = sorted(entries(cache))
+    left = sorted(n for n in entries(cache) if n != "probes.json")  # probes: the files' sizes and frame times
     assert len(left) == 2 and all(n.endswith(".safetensors") and not n.startswith(".") for n in left), left
     data = _data(folder, cache)  # a rerun encodes the rest
     first = entries(cache)
@@ -374,6 +402,8 @@ def test_wan_trains_two_video_buckets_from_mp4_and_webm_and_dry_runs(tmp_path):
     out = tmp_path / "run_wan"
     assert "est_gib_per_gpu" in dry.stdout and "44x24x5f" in dry.stdout and "32x32x9f" in dry.stdout
     assert not (out / "loss.csv").exists() and not list((tmp_path / "cache").glob("encoded/wan/*.safetensors"))
+    estimate = {r["bucket"]: float(r["est_gib_per_gpu"]) for r in table(out)}
+    assert 0 < estimate["44x24x5f"] < estimate["32x32x9f"]  # 165 < 288 tokens per CP rank
     run(tmp_path, "wan", *args, "--trainer.max_steps=4")
     rows = {r["bucket"]: r for r in table(out)}
     assert set(rows) == {"32x32x9f", "44x24x5f"} and rows["32x32x9f"]["tokens_per_cp_rank"] == "288"
