@@ -118,8 +118,18 @@ def plan_for(module: nn.Module) -> Mapping:
     )
 
 
+# one module per model family; each registers its entries when imported
+FAMILIES = (
+    *("wan", "flux", "chroma", "qwenimage", "zimage", "minimax"),
+    *("hunyuan", "sd3", "kandinsky", "ltx", "helios", "refused"),
+)
+
+
 def _load() -> None:
-    from cp_lightning.models import chroma, flux, hunyuan, kandinsky, minimax, qwenimage, refused, sd3, wan, zimage  # noqa: F401
+    import importlib
+
+    for family in FAMILIES:
+        importlib.import_module(f"cp_lightning.models.{family}")
 
 
 _load()

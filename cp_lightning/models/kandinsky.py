@@ -20,6 +20,9 @@ from cp_lightning.models.wan import _video
 
 def _plan(config) -> dict:
     last = config.num_visual_blocks - 1
+    if last == 0:
+        # one plan key cannot both split block 0's input and gather its output
+        raise ValueError("the Kandinsky 5 plan needs at least 2 visual blocks (num_visual_blocks).")
     return {
         "visual_transformer_blocks.0": {"visual_embed": In(split_dim=1, expected_dims=3)},
         "visual_transformer_blocks.*": {"rope": In(split_dim=1, expected_dims=6)},
@@ -71,7 +74,7 @@ register(
             model_dim=32,
             ff_dim=32,
             num_text_blocks=1,
-            num_visual_blocks=1,
+            num_visual_blocks=2,
             axes_dims=(4, 2, 2),
         ),
         _inputs,
