@@ -429,3 +429,21 @@ def test_a_saved_dataset_is_read_like_a_folder(tmp_path):
     with pytest.raises(ValueError, match=r"item 1 of the dataset .* has no caption"):
         find_sources(tmp_path / "bad")
     assert [s.caption for s in find_sources(tmp_path / "bad", allow_empty_captions=True)] == ["a red square", ""]
+
+
+def test_long_videos_give_several_clips_and_fps_resamples_them(tmp_path):
+    from recipes.data import WanData
+
+    folder = tmp_path / "v"
+    folder.mkdir()
+    write_video(folder / "long.mp4", 11, 32, 32, fps=8)
+    (folder / "long.txt").write_text("a long clip")
+    common = {"data_dir": str(folder), "cache_dir": str(tmp_path / "cache"), "num_frames": 5, "batch_size": 1}
+    data = WanData(**common, clips_per_video=3, clip_position="center")
+    data.prepare_data()
+    clips = data.plan()
+    assert [s["frames"] for s in clips] == [[0, 1, 2, 3, 4], [5, 6, 7, 8, 9]]  # two whole clips fit in 11
+    assert len({s["key"] for s in clips}) == 2 and data.table[0]["samples"] == 2
+    resampled = WanData(**common, fps=4).plan()  # 1.25 s at 4 fps: 6 frames, every other source frame
+    assert [s["frames"] for s in resampled] == [[0, 2, 4, 6, 8]]
+    assert resampled[0]["key"] not in {s["key"] for s in clips}
