@@ -4,6 +4,8 @@ A bucket is (frames, height, width). Resolutions come from a pixel budget and a 
 (each side a multiple of what the model needs), frame counts from a list. A sample goes to the bucket
 nearest its aspect ratio among those whose frame count it can fill (the longest such). Buckets too
 small for one batch are merged into their nearest neighbour, or dropped, with a warning either way.
+:func:`plan_samples` places every image and clip; :func:`bucket_table` reports the result (and
+:func:`add_memory_estimate` a rough per-GPU peak for the dry run).
 
 :class:`BucketBatchSampler` gives every batch one bucket. It is sized by data-parallel ranks only: CP
 peers (same dp rank) get the same batches, dp ranks different ones; which batches a rank gets depends
@@ -18,6 +20,10 @@ import random
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
+
+import torch
+
+from recipes.media import clip_starts, probe
 
 DEFAULT_ASPECT_RATIOS = (0.5, 0.5625, 0.6667, 0.75, 1.0, 1.3333, 1.5, 1.7778, 2.0)  # width / height
 
@@ -211,3 +217,89 @@ def memory_estimate_gib(
     per_layer = 34 * hidden * tokens * batch * weight_bytes / 2
     acts = (layers * hidden * tokens * batch * weight_bytes + per_layer) if checkpointing else layers * per_layer
     return (params * weight_bytes + trainable * 16 + acts) / 2**30
+
+
+def plan_samples(
+    sources,
+    buckets,
+    *,
+    video: bool,
+    fps: float | None,
+    clip_position: str,
+    clips_per_video: int,
+    skip_short_clips: bool,
+    seed: int,
+    probe=probe,
+) -> list[dict]:
+    """One sample per image and per clip: its source frames and nearest bucket (before small-bucket merges)."""
+    smallest = min(b.frames for b in buckets)
+    samples = []
+    for src in sources:
+        if src.is_video and not video:
+            raise ValueError(f"{src.path} is a video; the Flux recipe trains on images (use the Wan recipe for video).")
+        p = probe(src)
+        available = p.frame_count(fps) if src.is_video else 1
+        bucket = nearest(buckets, p.width, p.height, available)
+        if bucket is None:
+            message = (
+                f"{src.path} has {available} frames{f' at {fps} fps' if fps else ''}, fewer than the shortest clip "
+                f"({smallest} frames): lower num_frames / frame_buckets or fps"
+            )
+            if not skip_short_clips:
+                raise ValueError(message + ", or set skip_short_clips=true to leave such files out.")
+            warnings.warn(message + "; skipped (skip_short_clips=true).", stacklevel=2)
+            continue
+        starts = clip_starts(available, bucket.frames, clips_per_video, clip_position, seed, src.path)
+        for k, start in enumerate(starts):
+            samples.append(
+                {
+                    "source": src,
+                    "name": src.path if src.row is None else f"{src.path}[{src.row}]",
+                    "clip": k,
+                    "caption": src.caption,
+                    "frames": p.source_frames(start, bucket.frames, fps) if src.is_video else [0],
+                    "times": p.times if src.is_video else None,
+                    "bucket": bucket,
+                    "aspect": p.width / p.height,
+                    "available": bucket.frames,
+                }
+            )
+    return samples
+
+
+def add_memory_estimate(
+    rows: list[dict],
+    build,
+    config: dict,
+    *,
+    batch_size: int,
+    lora_rank: int,
+    lora_targets: list[str],
+    weights_dtype: str,
+    checkpointing: bool,
+) -> None:
+    """Adds ``est_gib_per_gpu`` to each row: the transformer built by ``build(config)`` on the meta device."""
+    from accelerate import init_empty_weights
+
+    with init_empty_weights():
+        model = build(config)
+    params = sum(p.numel() for p in model.parameters())
+    trainable = params
+    if lora_rank:
+        trainable = sum(
+            lora_rank * (m.in_features + m.out_features)
+            for name, m in model.named_modules()
+            if isinstance(m, torch.nn.Linear) and any(name.endswith(t) for t in lora_targets)
+        )
+    for row in rows:
+        gib = memory_estimate_gib(
+            params=params,
+            trainable=trainable,
+            weight_bytes=torch.empty((), dtype=getattr(torch, weights_dtype)).element_size(),
+            hidden=config["num_attention_heads"] * config["attention_head_dim"],
+            layers=config["num_layers"] + config.get("num_single_layers", 0),
+            tokens=row["tokens_per_cp_rank"],
+            batch=batch_size,
+            checkpointing=checkpointing,
+        )
+        row["est_gib_per_gpu"] = float(f"{gib:.4g}")  # tiny models need the digits

@@ -23,12 +23,12 @@ from torch.utils.data import DataLoader
 from recipes.buckets import (
     DEFAULT_ASPECT_RATIOS,
     BucketBatchSampler,
+    add_memory_estimate,
     bucket_table,
     format_table,
     make_buckets,
-    memory_estimate_gib,
-    nearest,
     parse_ratio,
+    plan_samples,
     resolutions,
     settle_small_buckets,
     write_csv,
@@ -44,7 +44,7 @@ from recipes.cache import (
     wan_encoder,
     write_index,
 )
-from recipes.media import ProbeCache, clip_starts, find_sources, probe
+from recipes.media import ProbeCache, find_sources
 
 COLOURS = {"red": (220, 40, 40), "green": (40, 180, 60), "blue": (40, 80, 220), "yellow": (230, 210, 40)}
 SHAPES = ("circle", "square", "triangle")
@@ -85,54 +85,6 @@ def make_shapes(folder: str | Path, n: int, size: int = 32, seed: int = 0, frame
         lines.append(json.dumps({"file_name": name, "text": caption}))
     (folder / "metadata.jsonl").write_text("\n".join(lines) + "\n")
     return folder
-
-
-def plan_samples(
-    sources,
-    buckets,
-    *,
-    video: bool,
-    fps: float | None,
-    clip_position: str,
-    clips_per_video: int,
-    skip_short_clips: bool,
-    seed: int,
-    probe=probe,
-) -> list[dict]:
-    """One sample per image and per clip: its source frames and nearest bucket (before small-bucket merges)."""
-    smallest = min(b.frames for b in buckets)
-    samples = []
-    for src in sources:
-        if src.is_video and not video:
-            raise ValueError(f"{src.path} is a video; the Flux recipe trains on images (use the Wan recipe for video).")
-        p = probe(src)
-        available = p.frame_count(fps) if src.is_video else 1
-        bucket = nearest(buckets, p.width, p.height, available)
-        if bucket is None:
-            message = (
-                f"{src.path} has {available} frames{f' at {fps} fps' if fps else ''}, fewer than the shortest clip "
-                f"({smallest} frames): lower num_frames / frame_buckets or fps"
-            )
-            if not skip_short_clips:
-                raise ValueError(message + ", or set skip_short_clips=true to leave such files out.")
-            warnings.warn(message + "; skipped (skip_short_clips=true).", stacklevel=2)
-            continue
-        starts = clip_starts(available, bucket.frames, clips_per_video, clip_position, seed, src.path)
-        for k, start in enumerate(starts):
-            samples.append(
-                {
-                    "source": src,
-                    "name": src.path if src.row is None else f"{src.path}[{src.row}]",
-                    "clip": k,
-                    "caption": src.caption,
-                    "frames": p.source_frames(start, bucket.frames, fps) if src.is_video else [0],
-                    "times": p.times if src.is_video else None,
-                    "bucket": bucket,
-                    "aspect": p.width / p.height,
-                    "available": bucket.frames,
-                }
-            )
-    return samples
 
 
 class EncodedData(L.LightningDataModule):
@@ -375,42 +327,23 @@ class EncodedData(L.LightningDataModule):
     def _add_memory_estimate(self) -> None:
         """Adds ``est_gib_per_gpu`` to the table: the transformer's weights, trainable state, activations."""
         import diffusers
-        from accelerate import init_empty_weights
 
         from recipes.components import FAMILIES
 
         module = self.trainer.lightning_module if self.trainer is not None else None
-        mh = dict(module.hparams) if module is not None else {}
-        cls = getattr(diffusers, FAMILIES[self.family][1])
-        config = cls.load_config(self._pipeline_path(), subfolder="transformer")
-        with init_empty_weights():
-            model = cls.from_config(config)
-        params = sum(p.numel() for p in model.parameters())
-        rank = mh.get("lora_rank", 0)
-        targets = getattr(module, "lora_targets", [])
-        if rank:
-            trainable = sum(
-                rank * (m.in_features + m.out_features)
-                for name, m in model.named_modules()
-                if isinstance(m, torch.nn.Linear) and any(name.endswith(t) for t in targets)
-            )
-        else:
-            trainable = params
-        dtype_bytes = torch.empty((), dtype=getattr(torch, mh.get("weights_dtype", "float32"))).element_size()
-        hidden = config["num_attention_heads"] * config["attention_head_dim"]
-        layers = config["num_layers"] + config.get("num_single_layers", 0)
-        for row in self.table:
-            gib = memory_estimate_gib(
-                params=params,
-                trainable=trainable,
-                weight_bytes=dtype_bytes,
-                hidden=hidden,
-                layers=layers,
-                tokens=row["tokens_per_cp_rank"],
-                batch=self.hparams.batch_size,
-                checkpointing=bool(mh.get("gradient_checkpointing", False)),
-            )
-            row["est_gib_per_gpu"] = float(f"{gib:.4g}")  # tiny models need the digits
+        hparams = dict(module.hparams) if module is not None else {}
+        transformer = getattr(diffusers, FAMILIES[self.family][1])
+        config = transformer.load_config(self._pipeline_path(), subfolder="transformer")
+        add_memory_estimate(
+            self.table,
+            transformer.from_config,
+            config,
+            batch_size=self.hparams.batch_size,
+            lora_rank=hparams.get("lora_rank", 0),
+            lora_targets=getattr(module, "lora_targets", []),
+            weights_dtype=hparams.get("weights_dtype", "float32"),
+            checkpointing=bool(hparams.get("gradient_checkpointing", False)),
+        )
 
 
 class FluxData(EncodedData):
