@@ -269,6 +269,8 @@ def test_editing_a_caption_reencodes_that_sample_and_an_interrupt_leaves_no_part
     assert len(left) == 2 and all(n.endswith(".safetensors") and not n.startswith(".") for n in left), left
     data = _data(folder, cache)  # a rerun encodes the rest
     first = entries(cache)
+    shares = [recipes.cache.todo(data.plan(), tmp_path / "nothing", r, 3) for r in range(3)]
+    assert sorted(s["key"] for share in shares for s in share) == sorted(s["key"] for s in data.plan())
     assert len(data.dataset) == 8 and len([n for n in first if n.startswith("index-")]) == 1
     assert {tuple(b) for b in data.dataset.buckets} == {(1, 32, 32), (1, 24, 44)}
     assert [r["bucket"] for r in data.table] == ["44x24", "32x32"]  # sorted by (frames, height, width)
@@ -367,7 +369,7 @@ def table(out: Path) -> list[dict]:
 
 def test_flux_trains_two_image_buckets_at_dp2_cp2(tmp_path):
     folder = image_folder(tmp_path / "images")
-    run(
+    result = run(
         tmp_path,
         "flux",
         f"--data.data_dir={folder}",
@@ -377,6 +379,7 @@ def test_flux_trains_two_image_buckets_at_dp2_cp2(tmp_path):
         "--trainer.max_steps=4",
     )
     out = tmp_path / "run_flux"
+    assert "encoding (rank 0 of 4)" in result.stderr  # every rank encodes a share; rank 0 shows the bar
     assert [(r["bucket"], r["samples"], r["batches"]) for r in table(out)] == [("44x24", "8", "4"), ("32x32", "8", "4")]
     ranks = trained(out)  # global ranks 0..3: (dp 0: 0, 1), (dp 1: 2, 3)
     assert len(ranks) == 4 and ranks[0] == ranks[1] and ranks[2] == ranks[3]  # CP peers: the same batches
