@@ -73,36 +73,75 @@ def exchange_lengths(lengths: list[int], group: dist.ProcessGroup, device: torch
 
 
 class _GatherSeq(torch.autograd.Function):
-    """Forward: all-gather the shards along ``dim``. Backward: this rank's slice of the gradient.
+    """Forward: all-gather the shards along ``dim``. Backward: by the rule of ``record`` (gradients.py).
 
-    Why the slice (not a reduce-scatter) is right: downstream of the gather every CP rank holds the
-    same full tensor and computes the same loss, so the incoming gradient is identical on all ranks.
-    The full gradient of the shard this rank produced is therefore its slice of that gradient; summing
-    the peers' gradients (a reduce-scatter) would count the loss ``cp`` times.
+    The free slice (``record.free``): this rank's slice of the incoming gradient. Right when, after
+    the gathers, every CP rank computes the same loss from the same tensors with no trainable
+    parameter in between and no re-split: the incoming gradient is then identical on all ranks and is
+    the full gradient, so this rank's shard's gradient is its slice; summing the peers' (a
+    reduce-scatter) would count the loss ``cp`` times. Otherwise (``record.free`` False, or no record
+    at all) the general rule: each rank's incoming gradient is a partial one (the root outputs'
+    gradients are scaled by 1/cp, parameters after the gather each get their share), and the full
+    gradient of this rank's shard is its slice of their sum: a reduce-scatter, on a fresh buffer.
+    Without a record (a gather called on its own) the caller promises the free slice's conditions.
     """
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, dim: int, group: dist.ProcessGroup, lengths: list[int] | None):
-        ctx.dim, ctx.group = dim, group
-        rank = dist.get_rank(group)
-        ctx.start = x.shape[dim] * rank if lengths is None else sum(lengths[:rank])
+    def forward(ctx, x: torch.Tensor, dim: int, group: dist.ProcessGroup, lengths: list[int] | None, record):
+        ctx.dim, ctx.group, ctx.record = dim, group, record
+        world, rank = dist.get_world_size(group), dist.get_rank(group)
+        ctx.lengths = [x.shape[dim]] * world if lengths is None else lengths
+        ctx.start = sum(ctx.lengths[:rank])
         ctx.length = x.shape[dim]
+        if record is not None:
+            record.note_gather(ctx)
         return all_gather_no_grad(x, dim, group, lengths)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        return grad.narrow(ctx.dim, ctx.start, ctx.length).contiguous(), None, None, None
+        if ctx.record is None or ctx.record.free:
+            return grad.narrow(ctx.dim, ctx.start, ctx.length).contiguous(), None, None, None, None
+        return reduce_scatter_seq(grad, ctx.dim, ctx.group, ctx.lengths), None, None, None, None
 
 
-def gather(x: torch.Tensor, dim: int, group: dist.ProcessGroup, *, even: bool = True) -> torch.Tensor:
-    """All-gather the shards along ``dim``; the backward hands each rank its slice (see ``_GatherSeq``).
+def gather(x: torch.Tensor, dim: int, group: dist.ProcessGroup, *, even: bool = True, record=None) -> torch.Tensor:
+    """All-gather the shards along ``dim``; the backward follows ``record``'s rule (see ``_GatherSeq``).
 
-    ``even=False`` allows shards of different lengths (exchanged first, one small all-gather).
+    ``record``: the :class:`cp_lightning.gradients.ForwardRecord` of this forward pass, which says
+    whether the backward may slice or must reduce-scatter; without one it slices (every rank then
+    computes the same loss from the gathered tensor, with no parameters after it). ``even=False`` allows shards
+    of different lengths (exchanged first, one small all-gather).
     """
     lengths = None
     if not even:
         lengths = [row[0] for row in exchange_lengths([x.shape[dim]], group, x.device)]
-    return _GatherSeq.apply(x, dim, group, lengths)
+    return _GatherSeq.apply(x, dim, group, lengths, record)
+
+
+def reduce_scatter_seq(grad: torch.Tensor, dim: int, group: dist.ProcessGroup, lengths: list[int]) -> torch.Tensor:
+    """Sum ``grad`` over ``group`` and keep this rank's slice along ``dim`` (``lengths``: every rank's).
+
+    Works on a fresh buffer, never on ``grad`` itself. Slices of different lengths are padded to the
+    longest, since reduce-scatter needs equal chunks.
+    """
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    longest = max(lengths)
+    g = grad.movedim(dim, 0)  # the sequence first: chunk p of dim 0 is rank p's slice
+    if len(set(lengths)) == 1:
+        send = g.contiguous()
+        if send.data_ptr() == grad.data_ptr():
+            send = send.clone()
+    else:
+        parts = []
+        for part in g.split(lengths):
+            pad = longest - part.shape[0]
+            parts.append(torch.cat([part, part.new_zeros(pad, *part.shape[1:])]) if pad else part)
+        send = torch.cat(parts)
+    out = send.new_empty(longest, *send.shape[1:])
+    record_sent("reduce_scatter", out.numel() * out.element_size() * (world - 1))
+    reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    reduce_scatter(out, send, group=group)
+    return out[: lengths[rank]].movedim(0, dim).contiguous()
 
 
 def all_gather_no_grad(

@@ -98,7 +98,7 @@ def parallelize(
     groups = cp_groups(mesh, ring)
     check = ConsistencyCheck(groups.cp, check_steps)
     state = SplitState()  # written by the split hooks, read by the gathers and the attention
-    handles = apply_plan(entries, groups.cp, check=check, gather=not loss_parallel, state=state)
+    handles = apply_plan(entries, groups.cp, check=check, gather=not loss_parallel, state=state, root=module)
     handles.append(module.register_forward_pre_hook(lambda mod, _args: check.on_forward(mod)))
     attention.route_processors(found, attention.ContextParallelAttention(groups, kernel, state))
     setattr(module, _STATE, ParallelState(mesh, groups, handles, found, check, loss_parallel, state))

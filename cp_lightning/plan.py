@@ -25,6 +25,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from cp_lightning import collectives
+from cp_lightning.gradients import ForwardRecord, ScaleGrad, finish_forward
 
 _EXAMPLE = (
     'plan={"": {"hidden_states": ContextParallelInput(split_dim=1, expected_dims=3)}, '
@@ -39,6 +40,9 @@ class ResolvedEntry:
     path: str
     modules: tuple[tuple[str, nn.Module], ...]
     spec: object
+    # gathers: no split is expected after this one (module order; checked while running). Loss-parallel
+    # mode leaves exactly these sharded.
+    terminal: bool = True
 
 
 @dataclass(frozen=True, repr=False)
@@ -152,7 +156,34 @@ def resolve_plan(module: nn.Module, plan: Mapping | None) -> list[ResolvedEntry]
             "the plan gathers nothing back (no ContextParallelOutput), so outputs would stay split; add one at "
             'the last sharded module, e.g. "proj_out": ContextParallelOutput(gather_dim=1, expected_dims=3).'
         )
-    return entries
+    return _mark_terminal(module, entries)
+
+
+def _mark_terminal(root: nn.Module, entries: list[ResolvedEntry]) -> list[ResolvedEntry]:
+    """Predict which gathers no split follows, from the modules' registration order.
+
+    A module's pre-hook runs at its start and its output hooks at its end, after its children; the
+    root's split comes first and its gather last. diffusers registers a model's modules in the order
+    its forward runs them (the prediction is checked at run time, see ``_note_split``).
+    """
+    order = {id(sub): i for i, (_, sub) in enumerate(root.named_modules(remove_duplicate=False))}
+    end = {id(sub): max(order[id(m)] for m in sub.modules()) for sub in root.modules()}
+    splits = []
+    for entry in entries:
+        if isinstance(entry.spec, Mapping):
+            for _, sub in entry.modules:
+                if any(isinstance(key, str) for key in entry.spec):
+                    splits.append(order[id(sub)])
+                if any(isinstance(key, int) for key in entry.spec):
+                    splits.append(end[id(sub)] + 0.5)
+    last_split = max(splits, default=-1)
+    marked = []
+    for entry in entries:
+        if not isinstance(entry.spec, Mapping):
+            gathered_at = min(end[id(sub)] + 0.5 for _, sub in entry.modules)
+            entry = ResolvedEntry(entry.path, entry.modules, entry.spec, terminal=gathered_at > last_split)
+        marked.append(entry)
+    return marked
 
 
 class SplitState:
@@ -164,6 +195,23 @@ class SplitState:
     def __init__(self) -> None:
         self.even = True
         self.lengths: dict[str, int] = {}  # full length of each split argument, by name (for JointInput)
+        self.record: ForwardRecord | None = None  # the current forward pass (gradients.py)
+        self.sharded = False  # between a split and a gather in the current forward pass
+
+    def begin_forward(self, loss_parallel: bool) -> None:
+        self.record = ForwardRecord(loss_parallel)
+        self.sharded = False
+
+    def _note_split(self, where: str) -> None:
+        record = self.record
+        if record is not None and not record.closed:
+            if record.skipped is not None:
+                raise ValueError(
+                    f"{where} is split after the gather at {record.skipped!r}, which loss-parallel mode left "
+                    "sharded (it looked like the last gather from the model's module order). Train this plan "
+                    "without loss_parallel, or gather once, after the last split."
+                )
+            self.sharded = True
 
 
 def _split(x: torch.Tensor, spec: ContextParallelInput, group, where: str, check=None, state=None) -> torch.Tensor:
@@ -176,6 +224,8 @@ def _split(x: torch.Tensor, spec: ContextParallelInput, group, where: str, check
             f"{where}: expected a {spec.expected_dims}-d tensor to split along dim {spec.split_dim}, got shape "
             f"{tuple(x.shape)}. Pass inputs in the layout the model documents, or fix expected_dims in the plan."
         )
+    if state is not None:
+        state._note_split(where)
     try:
         local = collectives.shard(x, spec.split_dim, group)
     except ValueError as err:
@@ -253,6 +303,8 @@ def _split_joint(x, spec: JointInput, group, where: str, check=None, state=None)
             f"{where}: dim {spec.split_dim} has {x.shape[spec.split_dim]} elements, but its segments "
             f"{dict(zip(spec.segments, sizes, strict=True))} add up to {sum(sizes)}."
         )
+    if state is not None:
+        state._note_split(where)
     if check is not None:
         check(where, x)
     world = dist.get_world_size(group)
@@ -280,25 +332,16 @@ def _split_outputs_hook(name: str, spec: Mapping, group, state=None) -> Callable
     return hook
 
 
-class _ScaleGrad(torch.autograd.Function):
-    """Identity forward; the backward multiplies the gradient by ``weight``."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: float) -> torch.Tensor:
-        ctx.weight = weight
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return grad * ctx.weight, None
-
-
 def _gather_hook(name: str, spec, group, state: SplitState, gather: bool) -> Callable:
     """Gather the outputs the plan names; with ``gather=False`` (loss-parallel) keep them sharded.
 
+    The gathers' backward follows the current forward's rule (gradients.py).
+
     Loss-parallel and uneven shards: each rank's loss is a mean over its own S_r of the S tokens, and
     DDP averages the ranks' gradients. The full-sequence mean weighs rank r by S_r / S, not 1 / cp,
-    so the output's gradient is scaled by cp * S_r / S (1 when the shards are even).
+    so the root outputs' gradients are scaled by cp * S_r / S (1 when the shards are even; at the
+    root, not here, since replicated tensors such as the time embedding reach the loss around the
+    gather too).
     """
     specs = list(spec) if isinstance(spec, (list, tuple)) else [spec]
 
@@ -317,11 +360,19 @@ def _gather_hook(name: str, spec, group, state: SplitState, gather: bool) -> Cal
                     f"{out_spec.gather_dim}, got shape {tuple(x.shape)}."
                 )
             if gather:
-                items[i] = collectives.gather(x, out_spec.gather_dim, group, even=state.even)
-            elif not state.even:
+                items[i] = collectives.gather(x, out_spec.gather_dim, group, even=state.even, record=state.record)
+                continue
+            weight = 1.0
+            if not state.even:
                 lengths = collectives.exchange_lengths([x.shape[out_spec.gather_dim]], group, x.device)
-                total = sum(row[0] for row in lengths)
-                items[i] = _ScaleGrad.apply(x, len(lengths) * x.shape[out_spec.gather_dim] / total)
+                weight = len(lengths) * x.shape[out_spec.gather_dim] / sum(row[0] for row in lengths)
+            record = state.record
+            if record is None:
+                items[i] = ScaleGrad.apply(x, weight) if weight != 1.0 else x
+            elif not record.closed:
+                record.note_skipped(name, weight)
+        if gather:
+            state.sharded = False
         return items[0] if single else type(output)(items)
 
     return hook
@@ -334,12 +385,15 @@ def apply_plan(
     check: Callable | None = None,
     gather: bool = True,
     state: SplitState | None = None,
+    root: nn.Module | None = None,
 ) -> list[RemovableHandle]:
     """Install the split and gather hooks of a resolved plan; returns the handles to remove them.
 
     ``check(where, tensor)`` is called on each full input before it is split (see checks.py);
-    ``gather=False`` leaves outputs sharded (loss-parallel training); ``state`` records whether every
-    split so far was even (see :class:`SplitState`; a fresh one when omitted).
+    ``gather=False`` leaves the terminal gathers' outputs sharded (loss-parallel training); ``state``
+    records whether every split so far was even (see :class:`SplitState`; a fresh one when omitted).
+    ``root``: the module the plan was resolved against; its forward hooks pick each pass's gradient
+    rule (gradients.py). Without it the gathers hand back their slice, exact only for terminal gathers.
     """
     state = SplitState() if state is None else state
     handles = []
@@ -352,7 +406,12 @@ def apply_plan(
                 if any(isinstance(key, int) for key in entry.spec):
                     handles.append(sub.register_forward_hook(_split_outputs_hook(name, entry.spec, group, state)))
             else:
-                handles.append(sub.register_forward_hook(_gather_hook(name, entry.spec, group, state, gather)))
+                hook = _gather_hook(name, entry.spec, group, state, gather or not entry.terminal)
+                handles.append(sub.register_forward_hook(hook))
+    if root is not None:
+        cp = dist.get_world_size(group)
+        handles.append(root.register_forward_pre_hook(lambda *_: state.begin_forward(not gather), prepend=True))
+        handles.append(root.register_forward_hook(lambda _m, _a, out: finish_forward(out, state.record, cp)))
     return handles
 
 
