@@ -46,8 +46,10 @@ def parse_args(args=None) -> argparse.Namespace:
     p.add_argument("--ring", type=int, default=1, help="ring degree inside cp (cp = ring x ulysses)")
     p.add_argument("--pretrained", default="tiny", help="'tiny' or a Flux checkpoint path / hub id")
     p.add_argument("--cache_dir", default="outputs/cache")
-    p.add_argument("--image_dir", default="outputs/data/shapes")
-    p.add_argument("--synthetic_samples", type=int, default=64, help="generate this many shapes if image_dir is absent")
+    p.add_argument(
+        "--data_dir", "--image_dir", default="outputs/data/shapes", help="images + captions (docs/recipes/data.md)"
+    )
+    p.add_argument("--synthetic_samples", type=int, default=64, help="generate this many shapes if data_dir is absent")
     p.add_argument("--resolution", type=int, default=32)
     p.add_argument("--batch_size", type=int, default=4, help="samples per data-parallel rank and step")
     p.add_argument("--lora_rank", type=int, default=4)
@@ -75,7 +77,7 @@ def main(args=None) -> list[tuple[int, float]]:
     cp = ContextParallel(accelerator, cp=args.cp, ring=args.ring, seed=args.seed)  # checks the layout first
 
     data = FluxData(
-        data_dir=args.image_dir,
+        data_dir=args.data_dir,
         aspect_ratios=[1.0],  # one square bucket: this loop batches with a plain shuffled DataLoader
         cache_dir=args.cache_dir,
         pretrained=args.pretrained,
