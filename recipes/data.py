@@ -107,6 +107,8 @@ class EncodedData(L.LightningDataModule):
         batch_size: samples per data-parallel rank and step.
         caption_dropout: probability of training a sample with the empty caption, per sample and epoch.
         allow_empty_captions: train files without a caption on the empty caption (default: an error).
+        fingerprint: what identifies a file's content for the cache: ``mtime`` (path, size, modification
+            time) or ``content`` (path, size, SHA-256; reads every file at start, survives copies).
         synthetic_samples: if > 0 and ``data_dir`` does not exist, generate this many captioned shapes there.
         max_sequence_length: text tokens per caption.
         encode_batch_size: samples per VAE / text-encoder call while caching.
@@ -135,6 +137,7 @@ class EncodedData(L.LightningDataModule):
         batch_size: int = 4,
         caption_dropout: float = 0.0,
         allow_empty_captions: bool = False,
+        fingerprint: str = "mtime",
         synthetic_samples: int = 0,
         max_sequence_length: int = 32,
         encode_batch_size: int = 4,
@@ -149,6 +152,8 @@ class EncodedData(L.LightningDataModule):
             if data_dir is not None and data_dir != image_dir:
                 raise ValueError(f"data_dir={data_dir!r} and its deprecated alias image_dir={image_dir!r} differ.")
         self.data_dir = data_dir or image_dir or self.default_dir
+        if fingerprint not in ("mtime", "content"):
+            raise ValueError(f"fingerprint must be 'mtime' or 'content', got {fingerprint!r}.")
         if crop not in ("center", "random"):
             raise ValueError(f"crop must be 'center' or 'random', got {crop!r}.")
         if small_buckets not in ("merge", "drop"):
@@ -230,7 +235,7 @@ class EncodedData(L.LightningDataModule):
             [(h.width or h.resolution) / h.resolution] if h.width else DEFAULT_ASPECT_RATIOS
         )
         buckets = make_buckets(resolutions(pixels, ratios, multiple), frame_counts)
-        sources = find_sources(self.data_dir, allow_empty_captions=h.allow_empty_captions)
+        sources = find_sources(self.data_dir, allow_empty_captions=h.allow_empty_captions, fingerprint=h.fingerprint)
         probes = ProbeCache(self.cache_folder / "probes.json")
         samples = plan_samples(
             sources,
@@ -402,6 +407,7 @@ class WanData(EncodedData):
         batch_size: int = 2,
         caption_dropout: float = 0.0,
         allow_empty_captions: bool = False,
+        fingerprint: str = "mtime",
         synthetic_samples: int = 0,
         max_sequence_length: int = 32,
         encode_batch_size: int = 2,
@@ -435,6 +441,7 @@ class WanData(EncodedData):
             batch_size=batch_size,
             caption_dropout=caption_dropout,
             allow_empty_captions=allow_empty_captions,
+            fingerprint=fingerprint,
             synthetic_samples=synthetic_samples,
             max_sequence_length=max_sequence_length,
             encode_batch_size=encode_batch_size,

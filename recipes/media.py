@@ -65,9 +65,13 @@ def _metadata_captions(folder: Path) -> dict[Path, str | None]:
     return captions
 
 
-def find_sources(data_dir: str | Path, *, allow_empty_captions: bool = False) -> list[Source]:
+def find_sources(
+    data_dir: str | Path, *, allow_empty_captions: bool = False, fingerprint: str = "mtime"
+) -> list[Source]:
     """Every captioned image or video under ``data_dir`` (a folder, a saved dataset or a cached Hub
-    dataset), in a fixed order; raises ValueError naming the first bad file."""
+    dataset), in a fixed order; raises ValueError naming the first bad file. A file's ``stamp`` is its
+    relative path, size and mtime, or (``fingerprint="content"``) its size and SHA-256: copies and
+    touched files then keep their cache entries."""
     folder = Path(data_dir)
     if (folder / "dataset_info.json").exists() or (folder / "state.json").exists():
         import datasets
@@ -111,12 +115,21 @@ def find_sources(data_dir: str | Path, *, allow_empty_captions: bool = False) ->
                 )
             caption = ""
         stat = path.stat()
-        sources.append(Source(str(path), caption, ext in VIDEO_EXTENSIONS, (str(rel), stat.st_size, stat.st_mtime_ns)))
+        version = _sha256(path) if fingerprint == "content" else stat.st_mtime_ns
+        sources.append(Source(str(path), caption, ext in VIDEO_EXTENSIONS, (str(rel), stat.st_size, version)))
     if not sources:
         raise ValueError(
             f"data_dir {folder} holds no images or videos ({', '.join(IMAGE_EXTENSIONS + VIDEO_EXTENSIONS)})."
         )
     return sources
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
 
 
 def _dataset_sources(ds, name: str, allow_empty_captions: bool) -> list[Source]:

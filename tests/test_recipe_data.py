@@ -283,7 +283,17 @@ def test_editing_a_caption_reencodes_that_sample_and_an_interrupt_leaves_no_part
     assert all(after[n] == first[n] for n in first)  # nothing else rewritten
     _data(folder, cache)
     assert entries(cache) == after  # an unchanged rerun encodes nothing
+    png, ns = folder / "sq0.png", (folder / "sq0.png").stat().st_mtime_ns
+    os.utime(png, ns=(ns, ns + 10**9))  # touched, not changed: a new mtime is a new version by default
+    _data(folder, cache)
+    assert len([n for n in entries(cache) if n not in after and n != "probes.json"]) == 2
+    _data(folder, cache, fingerprint="content")
+    hashed = entries(cache)
+    os.utime(png, ns=(ns, ns + 2 * 10**9))
+    _data(folder, cache, fingerprint="content")
+    assert entries(cache) == hashed  # by content, a touch re-encodes nothing
 
+    data = _data(folder, cache)
     dropout = _data(folder, cache, caption_dropout=0.5, seed=3).dataset
     empty = dropout[(0, 0)] if dropout.dropped(0, 0) else None
     flags = [dropout.dropped(i, e) for i in range(8) for e in range(8)]
