@@ -176,3 +176,18 @@ def test_models_that_cannot_be_exact_are_refused_with_the_reason(cls, reason):
     with pytest.raises(ValueError, match=reason):
         plan_for(Stub())
     assert PLANS[cls].plan is None
+
+
+def test_checker_scales_down_a_diffusers_config(tmp_path):
+    import json
+
+    from cp_lightning.check import build, resolve_case
+
+    config = {"_class_name": "WanTransformer3DModel", "num_layers": 30, "num_attention_heads": 24}
+    config.update(attention_head_dim=128, qk_norm="rms_norm", cross_attn_norm=False, in_channels=48)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    case = resolve_case(str(tmp_path))
+    model = build(case)[0]
+    # architecture switches come from the user's config, sizes stay tiny
+    assert model.config.qk_norm == "rms_norm" and model.config.cross_attn_norm is False
+    assert model.config.num_layers == 1 and model.config.num_attention_heads == 4
