@@ -63,6 +63,19 @@ class JointInput(ContextParallelInput):
         return f"JointInput(split_dim={self.split_dim}, expected_dims={self.expected_dims}, segments={self.segments})"
 
 
+@dataclass(frozen=True, repr=False)
+class PerTokenInput(ContextParallelInput):
+    """A tensor that is per token when it has ``expected_dims`` dims and per sample when it has fewer.
+
+    E.g. SkyReels-V2's block modulation: (B, 6, S, C) under diffusion forcing, (B, 6, C) otherwise. The
+    per-token form is split along ``split_dim``; a per-sample form passes whole (there is no sequence
+    to split), where a plain ContextParallelInput would refuse the unexpected number of dims.
+    """
+
+    def __repr__(self) -> str:
+        return f"PerTokenInput(split_dim={self.split_dim}, expected_dims={self.expected_dims})"
+
+
 def default_plan(module: nn.Module) -> Mapping:
     """The plan library's entry for ``module``'s class, else its diffusers ``_cp_plan`` (see cp_lightning.models)."""
     from cp_lightning.models import plan_for
@@ -107,6 +120,8 @@ def _check_inputs(path: str, module: nn.Module, spec: Mapping) -> None:
             raise TypeError(
                 f"plan entry {path!r}[{key!r}] must be a ContextParallelInput or a list of them, got {value!r}."
             )
+        if any(isinstance(item, PerTokenInput) and item.expected_dims is None for item in items):
+            raise ValueError(f"plan entry {path!r}[{key!r}]: a PerTokenInput needs expected_dims (its per-token form).")
         if isinstance(key, int):
             if not all(item.split_output for item in items):
                 raise ValueError(
@@ -265,6 +280,9 @@ def _split_inputs_hook(name: str, spec: Mapping, group, module: nn.Module, check
         arg_spec, where = by_name[arg], f"{name or '<root>'}({arg})"
         if isinstance(arg_spec, JointInput):
             return _split_joint(value, arg_spec, group, where, check, state)
+        if isinstance(arg_spec, PerTokenInput) and isinstance(value, torch.Tensor):
+            if value.dim() < arg_spec.expected_dims:
+                return value  # the per-sample form: nothing to split
         if state is not None and isinstance(value, torch.Tensor) and value.dim() > arg_spec.split_dim:
             state.lengths[arg] = value.shape[arg_spec.split_dim]
         return _split_value(value, arg_spec, group, where, check, state)

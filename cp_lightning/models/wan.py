@@ -15,6 +15,7 @@ from diffusers.models._modeling_parallel import ContextParallelInput as In
 from diffusers.models._modeling_parallel import ContextParallelOutput as Out
 
 from cp_lightning.models import DIFFUSERS, PlanEntry, TinyCase, register
+from cp_lightning.plan import PerTokenInput
 from cp_lightning.tiny import _factor, _frames
 
 # Wan's own plan is right for training and kept: rope tables split with their tokens, video tokens split
@@ -41,13 +42,25 @@ CHRONOEDIT = PlanEntry(
     {**WAN_LIKE_PLAN, "": {"timestep": In(split_dim=1, expected_dims=2)}},
 )
 
-# SkyReels-V2 (T2V, I2V) has no diffusers plan; its layout is Wan's. Its timestep is per sample, or per
-# latent frame under diffusion forcing (handled below, once the engine gathers before norm_out).
+
+# SkyReels-V2 (T2V, I2V, diffusion forcing) has no diffusers plan; its layout is Wan's. Under diffusion
+# forcing the timestep is per latent frame: every block's modulation `temb` becomes (B, 6, S, C) per token
+# (split with the tokens; the per-sample (B, 6, C) form passes whole), and norm_out's shift/scale
+# (B, S, C) are computed in forward from the full sequence, so the tokens are gathered after the last
+# block and norm_out / proj_out run on whole tokens (the engine's gather rule keeps that exact).
 # num_frame_per_block > 1 builds a block-causal (S, S) mask: every query row differs, so no rank can
 # apply its slice of it without the others' rows and columns; refused.
+def _skyreels_plan(config) -> dict:
+    plan = {**WAN_LIKE_PLAN, "blocks.*": {"temb": PerTokenInput(split_dim=2, expected_dims=4)}}
+    if config.num_layers > 1:  # one plan key cannot both split blocks.0's input and gather its output
+        del plan["proj_out"]
+        plan[f"blocks.{config.num_layers - 1}"] = Out(gather_dim=1, expected_dims=3)
+    return plan
+
+
 SKYREELS = PlanEntry(
     "SkyReelsV2Transformer3DModel",
-    WAN_LIKE_PLAN,
+    _skyreels_plan,
     refuse=lambda m: (
         f"num_frame_per_block={m.config.num_frame_per_block} builds a block-causal attention mask (one row per "
         "query), which context parallelism cannot split exactly; train with num_frame_per_block=1 (full attention, "
@@ -55,6 +68,7 @@ SKYREELS = PlanEntry(
         if m.config.num_frame_per_block > 1
         else None
     ),
+    needs="gathers with parameters after them",
 )
 
 # Wan-VACE: the VACE blocks read the *unsplit* video tokens (the same tensor blocks.0 gets) and the control
@@ -79,7 +93,7 @@ def _video(tokens: int) -> tuple[int, int, int]:
 
 
 def _wan_config(**over):
-    return dict(
+    config = dict(
         patch_size=(1, 2, 2),
         num_attention_heads=4,
         attention_head_dim=12,
@@ -90,8 +104,8 @@ def _wan_config(**over):
         ffn_dim=32,
         num_layers=1,
         rope_max_seq_len=64,
-        **over,
     )
+    return {**config, **over}
 
 
 def wan_inputs(model, g, batch, tokens, text_tokens, dtype, *, per_token_timestep=False, image_tokens=0):
@@ -127,6 +141,19 @@ def _i2v_inputs(model, g, batch, tokens, text_tokens, dtype, per_token_timestep=
     return wan_inputs(model, g, batch, tokens, 512, dtype, per_token_timestep=per_token_timestep, image_tokens=5)
 
 
+def _df_inputs(model, g, batch, tokens, text_tokens, dtype):
+    # diffusion forcing: one timestep per latent frame; 3 frames when they divide the tokens (21 = 3 x 1 x 7)
+    frames = 3 if tokens % 3 == 0 else _frames(tokens)
+    h = _factor(tokens // frames)
+    w = tokens // frames // h
+    return {
+        "hidden_states": torch.randn(batch, model.config.in_channels, frames, 2 * h, 2 * w, generator=g, dtype=dtype),
+        "encoder_hidden_states": torch.randn(batch, text_tokens, model.config.text_dim, generator=g, dtype=dtype),
+        "timestep": torch.randint(0, 1000, (batch, frames), generator=g),
+        "enable_diffusion_forcing": True,
+    }
+
+
 _I2V = dict(image_dim=8, added_kv_proj_dim=48)
 
 register(
@@ -146,7 +173,14 @@ register(
     # Wan2.2 A14B: two Wan experts (high noise, low noise) parallelized on one mesh and trained together
     TinyCase("wan2.2-a14b", "WanTransformer3DModel", _wan_config(), wan_inputs, experts=2),
     TinyCase("wan-vace", "WanVACETransformer3DModel", _wan_config(vace_layers=[0], vace_in_channels=8), _vace_inputs),
-    TinyCase("skyreels-v2-t2v", "SkyReelsV2Transformer3DModel", _wan_config(), wan_inputs),
+    TinyCase("skyreels-v2-t2v", "SkyReelsV2Transformer3DModel", _wan_config(num_layers=2), wan_inputs),
+    TinyCase(
+        "skyreels-v2-df",
+        "SkyReelsV2Transformer3DModel",
+        _wan_config(num_layers=2),
+        _df_inputs,
+        note="diffusion forcing: per-frame timesteps, no block-causal mask",
+    ),
     TinyCase("skyreels-v2-i2v", "SkyReelsV2Transformer3DModel", _wan_config(**_I2V), _i2v_inputs, text_tokens=512),
     TinyCase(
         "chronoedit",
