@@ -24,8 +24,9 @@ needs FSDP2 and forces causal attention; FSDP, DeepSpeed and Megatron plugins ar
 
 from __future__ import annotations
 
+import functools
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -55,7 +56,8 @@ def _check_accelerator(accelerator, cp: int, ring: int, allow_cross_node: bool) 
             kind = plugin
     if kind in ("FSDP", "DEEPSPEED", "MEGATRON_LM", "XLA"):
         raise ValueError(
-            f"cp_lightning's Accelerate integration wraps the model in DDP with its own gradient hook and does not "
+            f"cp_lightning's Accelerate integration wraps the model for data parallelism itself (DDP, or FSDP2 with "
+            f"ContextParallel(..., fsdp=True)) with its own gradient math and does not "
             f"support {kind}. Remove the FSDP/DeepSpeed/Megatron plugin (Accelerator(fsdp_plugin=..., "
             "deepspeed_plugin=...)) and the matching `accelerate config` / `accelerate launch --use_fsdp` or "
             "`--use_deepspeed` options; plain multi-process launching (multi-GPU or --cpu) is what it needs."
@@ -103,7 +105,10 @@ def _check_model(accelerator, model: nn.Module, plan: Mapping | None) -> None:
             "model to ContextParallel.prepare; it parallelizes it, then wraps it for data parallelism itself."
         )
     if any(p.__class__.__name__ == "DTensor" for p in model.parameters()):
-        raise TypeError("the model has DTensor (sharded) parameters; cp_lightning's Accelerate integration needs DDP.")
+        raise TypeError(
+            "the model has DTensor (sharded) parameters; pass the unsharded model (ContextParallel(..., fsdp=True) "
+            "shards it itself, after parallelizing)."
+        )
     if any(model is m for m in accelerator._models):
         raise ValueError(
             "this model was already passed to accelerator.prepare; pass it to ContextParallel.prepare instead."
@@ -133,6 +138,12 @@ class ContextParallel:
         seed: base of the per-dp-rank seed; by default rank 0's ``torch.initial_seed()`` (the value of
             ``accelerate.utils.set_seed`` if you called it before).
         allow_cross_node: let a CP group span nodes.
+        fsdp: shard parameters, gradients and optimizer state with FSDP2 over the dp x cp mesh instead of
+            DDP (same gradient math). Pass the model and its optimizer to the same ``prepare`` call (the
+            optimizer is pointed at the sharded parameters) or create the optimizer afterwards from
+            ``model.parameters()``. ``mixed_precision="bf16"`` gathers parameters in bf16, reduces in fp32.
+        reshard_after_forward, cpu_offload, hsdp, fsdp_blocks: FSDP options, as for
+            :class:`cp_lightning.ContextParallelStrategy`.
     """
 
     def __init__(
@@ -147,9 +158,28 @@ class ContextParallel:
         loss_parallel: bool = False,
         seed: int | None = None,
         allow_cross_node: bool = False,
+        fsdp: bool = False,
+        reshard_after_forward: bool = True,
+        cpu_offload: bool = False,
+        hsdp: bool = False,
+        fsdp_blocks: Sequence[str] | None = None,
     ) -> None:
         data_parallel.check_cp_options(cp, ring, plan, kernel, check_steps)
+        self.fsdp_options = data_parallel.fsdp_options(
+            fsdp, reshard_after_forward=reshard_after_forward, cpu_offload=cpu_offload, hsdp=hsdp, blocks=fsdp_blocks
+        )
         _check_accelerator(accelerator, cp, ring, allow_cross_node)
+        if self.fsdp_options is not None:
+            if accelerator.mixed_precision not in ("no", "bf16"):
+                raise ValueError(
+                    f"fsdp=True supports mixed_precision 'no' or 'bf16', got {accelerator.mixed_precision!r} (fp16 "
+                    "needs a sharded gradient scaler)."
+                )
+            if accelerator.mixed_precision == "bf16":
+                self.fsdp_options = data_parallel.FSDPOptions(
+                    **{**self.fsdp_options.__dict__, "param_dtype": torch.bfloat16}
+                )
+        self._sharded_params: set[int] = set()
         self.accelerator, self.cp, self.ring = accelerator, cp, ring
         self.plan, self.kernel, self.check_steps = plan, kernel, check_steps
         self.loss_parallel = bool(loss_parallel)
@@ -181,12 +211,20 @@ class ContextParallel:
         for obj in objects:
             if isinstance(obj, nn.Module):
                 _check_model(self.accelerator, obj, self.plan)
+                if self.fsdp_options is not None and self.mesh is not None:
+                    data_parallel.check_fsdp_model(obj, self.plan, self.fsdp_options)
             elif isinstance(obj, DataLoader) and getattr(obj, "_is_accelerate_prepared", False):
                 raise ValueError(
                     "this DataLoader was already prepared by accelerator.prepare, which shards it over all "
                     f"{self.accelerator.num_processes} processes; CP peers need the same batch. Pass the original "
                     "DataLoader to ContextParallel.prepare."
                 )
+        sharding = self.fsdp_options is not None and self.mesh is not None
+        models = [obj for obj in objects if isinstance(obj, nn.Module)]
+        optimizers = [obj for obj in objects if isinstance(obj, torch.optim.Optimizer)]
+        if sharding:
+            _check_optimizers(optimizers, models, self._sharded_params)
+        names = {id(p): (m, n) for m in models for n, p in m.named_parameters()} if sharding else {}
         prepared: list[Any] = [None] * len(objects)
         others = []
         for i, obj in enumerate(objects):
@@ -196,6 +234,10 @@ class ContextParallel:
                 prepared[i] = self._prepare_data_loader(obj)
             else:
                 others.append(i)
+        if sharding:  # optimizers given with their model now point at its sharded parameters
+            for optimizer in optimizers:
+                for group in optimizer.param_groups:
+                    group["params"] = [_sharded_param(*names[id(p)]) if id(p) in names else p for p in group["params"]]
         if others:  # one call, in order: a scheduler is matched to the optimizer prepared with it
             result = self.accelerator.prepare(*(objects[i] for i in others))
             result = result if len(others) > 1 else (result,)
@@ -206,6 +248,8 @@ class ContextParallel:
     def _prepare_model(self, model: nn.Module) -> nn.Module:
         if self.mesh is None:
             return self.accelerator.prepare_model(model)
+        if self.fsdp_options is not None:
+            return self._shard_model(model)
         data_parallel.parallelize_targets(
             model,
             mesh=self.mesh,
@@ -221,6 +265,36 @@ class ContextParallel:
             # Each CP rank's gradient is its shard's part: SUM over cp, MEAN over dp (DDP alone divides by dp x cp).
             data_parallel.register_ddp_hook(wrapped, self.dp_size, self.loss_parallel)
         return wrapped
+
+    def _shard_model(self, model: nn.Module) -> nn.Module:
+        """Parallelize, then shard with FSDP2; Accelerate sees the sharded model as a plain one (its DDP wrapping
+        would reduce the gradients a second time)."""
+        acc = self.accelerator
+        data_parallel.parallelize_targets(
+            model,
+            mesh=self.mesh,
+            plan=self.plan,
+            ring=self.ring,
+            kernel=self.kernel,
+            loss_parallel=self.loss_parallel,
+            check_steps=self.check_steps,
+        )
+        model.to(acc.device)
+        data_parallel.apply_fsdp(
+            model, mesh=self.mesh, plan=self.plan, options=self.fsdp_options, loss_parallel=self.loss_parallel
+        )
+        if self.fsdp_options.param_dtype is not None:  # what accelerator.prepare_model does for bf16: autocast
+            forward = model.forward
+
+            @functools.wraps(forward)
+            def autocast_forward(*args, **kwargs):
+                with acc.autocast():
+                    return forward(*args, **kwargs)
+
+            model.forward = autocast_forward
+        self._sharded_params.update(id(p) for p in model.parameters())
+        acc._models.append(model)  # accelerator.accumulate / clip_grad_norm_ / unwrap_model see it
+        return model
 
     def _prepare_data_loader(self, loader: DataLoader):
         if self.mesh is None:
@@ -257,6 +331,26 @@ class ContextParallel:
             return gathered
         # dp*cp*n, ... -> dp, cp, n, ... : keep cp rank 0's copy
         return gathered.unflatten(0, (self.dp_size, self.cp, -1))[:, 0].flatten(0, 1)
+
+
+def _sharded_param(model: nn.Module, name: str) -> nn.Parameter:
+    return model.get_parameter(name)
+
+
+def _check_optimizers(optimizers, models, sharded: set[int]) -> None:
+    """Under FSDP an optimizer must be prepared with its model (its parameters are then replaced by the sharded
+    ones) or created from the already sharded model; anything else would train stale copies."""
+    known = {id(p) for m in models for p in m.parameters()} | sharded
+    for optimizer in optimizers:
+        params = [p for g in optimizer.param_groups for p in g["params"]]
+        stale = [p for p in params if id(p) not in known]
+        if stale or (optimizer.state and any(id(p) not in sharded for p in params)):
+            raise ValueError(
+                f"with fsdp=True this optimizer would train {len(stale) or len(params)} stale, unsharded parameters: "
+                "it was created before the model was sharded and is not prepared together with it. Pass model and "
+                "optimizer to the same ContextParallel.prepare(model, optimizer, ...) call (before any optimizer "
+                "step), or create the optimizer from the prepared model's parameters."
+            )
 
 
 def prepare_context_parallel(accelerator, *objects: Any, cp: int, ring: int = 1, plan: Mapping | None = None, **kwargs):

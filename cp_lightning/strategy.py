@@ -12,12 +12,18 @@ dp instead of the world size:
 in one all-reduce per bucket. Plain DDP divides by dp x cp: cp times too small. In loss-parallel
 mode each rank's loss covers its own shard, so the plain mean over dp x cp is already exact.
 The sampler is sized by dp, so CP peers draw the same batch.
+
+With ``fsdp=True`` the model is sharded with FSDP2 instead of DDP (parameters, gradients and optimizer
+state split over the flattened dp x cp mesh, or HSDP), with the same gradient math; checkpoints are then
+sharded ``torch.distributed.checkpoint`` directories, saved and resumed through Lightning's own
+``ModelCheckpoint`` / ``ckpt_path`` flow (see docs/fsdp.md).
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -39,6 +45,16 @@ class _ContextParallel:
         self.plan, self.loss_parallel, self.kernel = plan, bool(loss_parallel), kernel
         self.allow_cross_node, self.check_steps = allow_cross_node, check_steps
         self._mesh: DeviceMesh | None = None
+        self.fsdp_options: data_parallel.FSDPOptions | None = None
+
+    def _init_fsdp(self, fsdp, reshard_after_forward, cpu_offload, hsdp, fsdp_blocks) -> None:
+        self.fsdp_options = data_parallel.fsdp_options(
+            fsdp, reshard_after_forward=reshard_after_forward, cpu_offload=cpu_offload, hsdp=hsdp, blocks=fsdp_blocks
+        )
+
+    @property
+    def fsdp(self) -> bool:
+        return self.fsdp_options is not None
 
     # -- layout ---------------------------------------------------------------------------------
     def _configure_launcher(self) -> None:
@@ -52,6 +68,13 @@ class _ContextParallel:
 
     def _validate_layout(self) -> None:
         """Pure arithmetic on devices and nodes: runs before any process is launched."""
+        self._fsdp_param_dtype()
+        if self.fsdp and getattr(self, "_start_method", "popen") != "popen":
+            raise ValueError(
+                f"fsdp=True needs start_method='popen' (the default), got {self._start_method!r}: the "
+                f"{self._start_method} launcher hands rank 0's parameters back to the main process, and under "
+                "FSDP those are only its shard."
+            )
         per_node, nodes = self.num_processes, self.num_nodes
         world = per_node * nodes
         if world == 1 and self.cp > 1:
@@ -104,6 +127,21 @@ class _ContextParallel:
     def _restore_rng_state(self, states: dict | None) -> None:
         data_parallel.restore_rng_state(states, self.dp_rank, self.dp_size)
 
+    def _fsdp_param_dtype(self) -> torch.dtype | None:
+        """The FSDP compute dtype for the Trainer's / Fabric's precision (None: keep the parameters' dtype)."""
+        if not self.fsdp:
+            return None
+        plugin = getattr(self, "precision_plugin", None) or getattr(self, "precision", None)
+        precision = str(getattr(plugin, "precision", "32-true"))
+        if precision == "bf16-mixed":
+            return torch.bfloat16  # gathered in bf16, reduced in fp32, compute under the plugin's autocast
+        if precision in ("32-true", "bf16-true", "16-true", "64-true"):
+            return None
+        raise ValueError(
+            f"fsdp=True does not support precision={precision!r} (fp16 mixed precision needs a sharded gradient "
+            "scaler); use 'bf16-mixed', 'bf16-true' or '32-true'."
+        )
+
     # -- model ----------------------------------------------------------------------------------
     def _parallelize(self, root: nn.Module) -> None:
         data_parallel.parallelize_targets(
@@ -115,6 +153,18 @@ class _ContextParallel:
             loss_parallel=self.loss_parallel,
             check_steps=self.check_steps,
         )
+
+    def _shard(self, root: nn.Module) -> None:
+        options = self.fsdp_options
+        dtype = self._fsdp_param_dtype()
+        if dtype is not None:
+            options = data_parallel.FSDPOptions(**{**options.__dict__, "param_dtype": dtype})
+        data_parallel.apply_fsdp(
+            root, mesh=self.device_mesh, plan=self.plan, options=options, loss_parallel=self.loss_parallel
+        )
+
+    def _checkpoint_meta(self) -> dict:
+        return {"rng_states": self._gather_rng_states(), "cp": self.cp, "ring": self.ring, "fsdp": self.fsdp}
 
     def _register_cp_hook(self, ddp: nn.parallel.DistributedDataParallel) -> None:
         data_parallel.register_ddp_hook(ddp, self.dp_size, self.loss_parallel)
@@ -143,6 +193,15 @@ class ContextParallelStrategy(_ContextParallel, DDPStrategy):
         kernel: local attention kernel for ring attention (see ``cp_lightning.kernels``).
         allow_cross_node: let a CP group span nodes.
         check_steps: training steps during which CP peers' inputs are checked to be identical.
+        fsdp: shard parameters, gradients and optimizer state with FSDP2 (one unit per repeated block plus
+            each parallelized model) instead of replicating them with DDP; checkpoints become sharded
+            ``torch.distributed.checkpoint`` directories. ``precision="bf16-mixed"`` gathers parameters in
+            bf16 and reduces gradients in fp32.
+        reshard_after_forward: (fsdp) free gathered block parameters after forward, gather again in backward.
+        cpu_offload: (fsdp) keep sharded parameters, gradients and optimizer state in CPU memory.
+        hsdp: (fsdp) shard inside each CP group and replicate across dp, instead of sharding over dp x cp.
+        fsdp_blocks: (fsdp) class names of the blocks to shard one by one; default: the model's diffusers
+            ``_repeated_blocks``.
         **kwargs: passed to Lightning's ``DDPStrategy`` (``timeout``, ``start_method``, DDP arguments).
     """
 
@@ -158,33 +217,116 @@ class ContextParallelStrategy(_ContextParallel, DDPStrategy):
         kernel: str | None = None,
         allow_cross_node: bool = False,
         check_steps: int = 2,
+        fsdp: bool = False,
+        reshard_after_forward: bool = True,
+        cpu_offload: bool = False,
+        hsdp: bool = False,
+        fsdp_blocks: Sequence[str] | None = None,
         **kwargs: Any,
     ) -> None:
         self._init_cp(cp, ring, plan, loss_parallel, kernel, allow_cross_node, check_steps)
+        self._init_fsdp(fsdp, reshard_after_forward, cpu_offload, hsdp, fsdp_blocks)
         super().__init__(**kwargs)
 
     def setup(self, trainer) -> None:
+        if self.fsdp:
+            options = self.fsdp_options
+            data_parallel.check_fsdp_model(self.lightning_module, self.plan, options)  # before any collective
         self._parallelize(self.lightning_module)
         super().setup(trainer)
 
     def configure_ddp(self) -> None:
+        if self.fsdp:
+            # sharded in place: the LightningModule itself stays the model Lightning drives
+            self._shard(self.lightning_module)
+            return
         super().configure_ddp()
         self._register_cp_hook(self.model)
+
+    # -- checkpoints: DDP a plain file (rank 0), FSDP a torch.distributed.checkpoint directory ----------
+    @property
+    def restore_checkpoint_after_setup(self) -> bool:
+        return self.fsdp  # a sharded checkpoint loads into the sharded model and its optimizer
+
+    @property
+    def lightning_restore_optimizer(self) -> bool:
+        return not self.fsdp  # FSDP: load_checkpoint already restored the optimizer
+
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        if not self.fsdp:
+            return super().lightning_module_state_dict()
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        return get_model_state_dict(self.model, options=StateDictOptions(cpu_offload=True))
+
+    def optimizer_state(self, optimizer) -> dict[str, Any]:
+        if not self.fsdp:
+            return super().optimizer_state(optimizer)
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+        optimizer = getattr(optimizer, "_optimizer", optimizer)  # a LightningOptimizer
+        return get_optimizer_state_dict(self.model, optimizer, options=StateDictOptions(cpu_offload=True))
+
+    def load_model_state_dict(self, checkpoint, strict: bool = True) -> None:
+        if not self.fsdp:
+            super().load_model_state_dict(checkpoint, strict=strict)
+
+    def load_optimizer_state_dict(self, checkpoint) -> None:
+        if not self.fsdp:
+            super().load_optimizer_state_dict(checkpoint)
 
     def save_checkpoint(self, checkpoint: dict, filepath, storage_options=None) -> None:
         # Every rank calls this; rank 0 writes. The RNG state differs per dp rank (and is equal on CP
         # peers), so each dp rank's state goes into the checkpoint and a resumed run draws the same noise.
-        checkpoint["cp_lightning"] = {"rng_states": self._gather_rng_states(), "cp": self.cp, "ring": self.ring}
-        super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+        checkpoint["cp_lightning"] = self._checkpoint_meta()
+        if not self.fsdp:
+            return super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+        if storage_options is not None:
+            raise TypeError("fsdp=True writes torch.distributed.checkpoint directories; drop storage_options.")
+        from lightning.fabric.strategies.model_parallel import _distributed_checkpoint_save
+        from lightning.fabric.utilities.load import _METADATA_FILENAME
+
+        path = Path(self.broadcast(filepath))
+        if path.is_file():
+            path.unlink()
+        path.mkdir(parents=True, exist_ok=True)
+        state = {"state_dict": checkpoint.pop("state_dict")}
+        state.update({f"optimizer_{i}": s for i, s in enumerate(checkpoint.pop("optimizer_states", []))})
+        _distributed_checkpoint_save(state, path)
+        if self.global_rank == 0:
+            torch.save(checkpoint, path / _METADATA_FILENAME)
 
     def load_checkpoint(self, checkpoint_path, *args, **kwargs) -> dict:
-        checkpoint = super().load_checkpoint(checkpoint_path, *args, **kwargs)
+        path = Path(self.broadcast(checkpoint_path))
+        if not self.fsdp:
+            if path.is_dir():
+                raise ValueError(
+                    f"{path} is a sharded (torch.distributed.checkpoint) checkpoint; resume it with "
+                    "ContextParallelStrategy(..., fsdp=True), at any dp x cp layout."
+                )
+            checkpoint = super().load_checkpoint(checkpoint_path, *args, **kwargs)
+        else:
+            from lightning.fabric.strategies.model_parallel import _load_checkpoint
+
+            data_parallel.check_checkpoint_layout(path, self.model, self.dp_size)  # no collectives
+            state = {"state_dict": self.model, **{f"optimizer_{i}": o for i, o in enumerate(self.optimizers)}}
+            checkpoint = _load_checkpoint(
+                path=path,
+                state=state,
+                strict=self.lightning_module.strict_loading,
+                optimizer_states_from_list=True,
+                weights_only=kwargs.get("weights_only"),
+            )
         self._restore_rng_state(checkpoint.get("cp_lightning", {}).get("rng_states"))
         return checkpoint
 
 
 class FabricContextParallelStrategy(_ContextParallel, FabricDDPStrategy):
-    """The same for Lightning Fabric: ``fabric.setup(model)`` parallelizes and wraps the model."""
+    """The same for Lightning Fabric: ``fabric.setup(model)`` parallelizes and wraps (or shards) the model.
+
+    With ``fsdp=True`` create the optimizer after ``fabric.setup(model)`` from the sharded parameters
+    (``fabric.setup_optimizers``); ``fabric.save``/``fabric.load`` write and read sharded checkpoints.
+    """
 
     def __init__(
         self,
@@ -196,16 +338,89 @@ class FabricContextParallelStrategy(_ContextParallel, FabricDDPStrategy):
         kernel: str | None = None,
         allow_cross_node: bool = False,
         check_steps: int = 2,
+        fsdp: bool = False,
+        reshard_after_forward: bool = True,
+        cpu_offload: bool = False,
+        hsdp: bool = False,
+        fsdp_blocks: Sequence[str] | None = None,
         **kwargs: Any,
     ) -> None:
         self._init_cp(cp, ring, plan, loss_parallel, kernel, allow_cross_node, check_steps)
+        self._init_fsdp(fsdp, reshard_after_forward, cpu_offload, hsdp, fsdp_blocks)
+        self._sharded_params: set[int] = set()
         super().__init__(**kwargs)
 
     def setup_module(self, module: nn.Module):
+        if self.fsdp:
+            data_parallel.check_fsdp_model(module, self.plan, self.fsdp_options)  # before any collective
         self._parallelize(module)
+        if self.fsdp:
+            self.module_to_device(module)
+            self._shard(module)
+            self._sharded_params.update(id(p) for p in module.parameters())
+            return module
         ddp = super().setup_module(module)
         self._register_cp_hook(ddp)
         return ddp
+
+    def setup_module_and_optimizers(self, module, optimizers, scheduler=None):
+        if self.fsdp and optimizers:
+            raise ValueError(
+                "fsdp=True replaces the model's parameters with sharded ones, so an optimizer created before "
+                "fabric.setup(model) would train stale copies. Call model = fabric.setup(model) first, then create "
+                "the optimizer from model.parameters() and pass it to fabric.setup_optimizers(optimizer)."
+            )
+        return super().setup_module_and_optimizers(module, optimizers, scheduler)
+
+    def setup_optimizer(self, optimizer):
+        if self.fsdp:
+            stale = [p for g in optimizer.param_groups for p in g["params"] if id(p) not in self._sharded_params]
+            if stale:
+                raise ValueError(
+                    f"the optimizer holds {len(stale)} parameters that are not the sharded model's (it was created "
+                    "before fabric.setup(model) sharded it, and would train stale copies). Create the optimizer "
+                    "after model = fabric.setup(model), from model.parameters()."
+                )
+        return super().setup_optimizer(optimizer)
+
+    def clip_gradients_norm(self, module, optimizer, max_norm, norm_type=2.0, error_if_nonfinite=True):
+        # DDP's version skips nothing either, but states it: on DTensor gradients the norm is the full one
+        self.precision.unscale_gradients(optimizer)
+        parameters = self.precision.main_params(optimizer)
+        return torch.nn.utils.clip_grad_norm_(
+            parameters, max_norm=max_norm, norm_type=norm_type, error_if_nonfinite=error_if_nonfinite
+        )
+
+    def save_checkpoint(self, path, state, storage_options=None, filter=None) -> None:
+        if not self.fsdp:
+            return super().save_checkpoint(path, state, storage_options=storage_options, filter=filter)
+        from lightning.fabric.strategies.model_parallel import _save_checkpoint
+
+        if storage_options is not None or filter is not None:
+            raise TypeError("fsdp=True writes torch.distributed.checkpoint directories; drop storage_options/filter.")
+        state = {**state, "cp_lightning": self._checkpoint_meta()}
+        _save_checkpoint(Path(self.broadcast(path)), state, full_state_dict=False, rank=self.global_rank)
+
+    def load_checkpoint(self, path, state=None, strict: bool = True, weights_only=None) -> dict:
+        if not self.fsdp:
+            return super().load_checkpoint(path, state, strict=strict, weights_only=weights_only)
+        from lightning.fabric.strategies.model_parallel import _load_checkpoint
+
+        path = Path(self.broadcast(path))
+        if not isinstance(state, dict):
+            raise TypeError("fsdp=True loads into a state dict of objects: fabric.load(path, {'model': model, ...}).")
+        modules = [m for m in state.values() if isinstance(m, nn.Module)]
+        if len(modules) != 1:
+            raise ValueError(f"fsdp=True loads one sharded model per checkpoint; the state holds {len(modules)}.")
+        key = next(k for k, m in state.items() if isinstance(m, nn.Module))
+        data_parallel.check_checkpoint_layout(path, modules[0], self.dp_size, prefix=f"{key}.")
+        full = {**state, "cp_lightning": None}
+        rest = _load_checkpoint(path, full, strict=strict, weights_only=weights_only)
+        for k in state:  # Fabric's contract: non-module entries of `state` are updated in place
+            if not isinstance(state[k], (nn.Module, torch.optim.Optimizer)):
+                state[k] = full[k]
+        self._restore_rng_state((full["cp_lightning"] or {}).get("rng_states"))
+        return rest
 
 
 def _register() -> None:

@@ -73,23 +73,24 @@ class Export(L.Callback):
         )
 
     def on_train_end(self, trainer, pl_module):
-        if not trainer.is_global_zero:
-            return
-        from peft.utils import get_peft_model_state_dict
-
-        from recipes.components import load_pipeline
+        from cp_lightning.data_parallel import full_state_dict, lora_state_dict, write_pretrained
 
         h = pl_module.hparams
+        # consolidated on every rank (a collective when the model is FSDP-sharded); rank 0 writes and renders
+        state = (lora_state_dict if h.lora_rank else full_state_dict)(pl_module.transformer)
+        if not trainer.is_global_zero:
+            return
+        from recipes.components import load_pipeline
+
         self.out_dir.mkdir(parents=True, exist_ok=True)
         pipeline = load_pipeline(self.family, h.pretrained, h.cache_dir)
         if h.lora_rank:
             lora_dir = self.out_dir / "lora"
-            state = get_peft_model_state_dict(pl_module.transformer)
             type(pipeline).save_lora_weights(lora_dir, transformer_lora_layers=state, safe_serialization=True)
             pipeline.load_lora_weights(lora_dir)
         else:
-            pl_module.transformer.save_pretrained(self.out_dir / "transformer")
-            pipeline.transformer.load_state_dict(pl_module.transformer.state_dict())
+            write_pretrained(pl_module.transformer, state, self.out_dir / "transformer")
+            pipeline.transformer.load_state_dict(state)
         with torch.no_grad():
             rows = self.render(pipeline)
         save_grid(rows, self.prompts, self.out_dir / "samples.png")
