@@ -20,8 +20,14 @@ REAL = {
     "flux1_dev_lora_cp4.yaml": "flux1-dev-transformer.json",
     "wan2.1_t2v_1.3b_lora_cp4.yaml": "wan2.1-t2v-1.3b-transformer.json",
     "wan2.1_t2v_1.3b_lora_cp8_ring2.yaml": "wan2.1-t2v-1.3b-transformer.json",
+    "flux1_dev_full_fsdp_cp4.yaml": "flux1-dev-transformer.json",
+    "wan2.1_t2v_14b_lora_fsdp_cp8.yaml": "wan2.1-t2v-14b-transformer.json",
 }
-PARAMS = {"flux1-dev-transformer.json": (11.5e9, 12.5e9), "wan2.1-t2v-1.3b-transformer.json": (1.3e9, 1.5e9)}
+PARAMS = {
+    "flux1-dev-transformer.json": (11.5e9, 12.5e9),
+    "wan2.1-t2v-1.3b-transformer.json": (1.3e9, 1.5e9),
+    "wan2.1-t2v-14b-transformer.json": (14.0e9, 14.5e9),
+}
 
 
 def family(config: Path) -> str:
@@ -78,3 +84,44 @@ def test_real_config_fits_its_architecture(config):
     low, high = PARAMS[REAL[config]]
     params = sum(p.numel() for p in model.parameters())
     assert low < params < high, params  # the memory estimate in the config rests on this count
+
+
+FSDP = sorted(c for c in REAL if "fsdp" in c)
+
+
+@pytest.mark.parametrize("config", FSDP, ids=FSDP)
+def test_fsdp_config_shards_its_architecture_and_states_the_sharded_bytes(config):
+    """The FSDP configs: the blocks to shard are found on the meta model, and the stated "sharded state: X GiB
+    per GPU" is (frozen weights x their bytes + trained weights x 16 bytes: fp32 weight, gradient and AdamW's
+    two moments) / the ranks they are sharded over."""
+    import re
+
+    import diffusers
+    from accelerate import init_empty_weights
+    from peft import LoraConfig
+
+    from cp_lightning.data_parallel import FSDPOptions, check_fsdp_model
+    from recipes.flux import FluxFineTune
+    from recipes.wan import WanFineTune
+
+    text = (ROOT / "configs" / config).read_text()
+    raw = yaml.safe_load(text)
+    cp_args = raw["trainer"]["strategy"]["init_args"]
+    assert cp_args["fsdp"] is True and raw["trainer"]["precision"] == "bf16-mixed"
+    arch = json.loads((ROOT / "configs" / "architectures" / REAL[config]).read_text())
+    with init_empty_weights():
+        model = getattr(diffusers, arch["_class_name"]).from_config(arch)
+    rank, recipe = (
+        raw["model"]["lora_rank"],
+        WanFineTune if family(ROOT / "configs" / config) == "wan" else FluxFineTune,
+    )
+    if rank:
+        model.requires_grad_(False)
+        model.add_adapter(LoraConfig(r=rank, lora_alpha=rank, target_modules=recipe.lora_targets))
+    options = FSDPOptions(hsdp=cp_args.get("hsdp", False), blocks=cp_args.get("fsdp_blocks"))
+    check_fsdp_model(model, None, options)  # repeated blocks found, nothing trainable left outside them
+    frozen_bytes = 2 if raw["model"]["weights_dtype"] == "bfloat16" else 4
+    total = sum(p.numel() * (16 if p.requires_grad else frozen_bytes) for p in model.parameters())
+    ranks = cp_args["cp"] if options.hsdp else raw["trainer"]["devices"] * raw["trainer"].get("num_nodes", 1)
+    stated = float(re.search(r"sharded state: ([0-9.]+) GiB per GPU", text).group(1))
+    assert abs(total / ranks / 2**30 - stated) <= 0.05 * stated, (total / ranks / 2**30, stated)
