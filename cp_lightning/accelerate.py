@@ -19,7 +19,8 @@ wrapping with the strategy's communication hook (SUM over cp, MEAN over dp, one 
 bucket). After that hook every rank holds the full gradient, so ``accelerator.clip_grad_norm_`` and
 the optimizer see exactly what one process would. Data loaders are sharded by dp rank with Accelerate's
 own ``prepare_data_loader``. Accelerate's own context parallelism (``ParallelismConfig(cp_size=...)``)
-needs FSDP2 and forces causal attention; FSDP, DeepSpeed and Megatron plugins are refused here.
+needs FSDP2 and forces causal attention; FSDP, DeepSpeed and Megatron plugins are refused here:
+``ContextParallel(..., fsdp=True)`` shards the model with FSDP2 itself, with the same gradient math.
 """
 
 from __future__ import annotations

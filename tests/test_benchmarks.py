@@ -105,3 +105,16 @@ def test_gpu_check_dry_run_exercises_every_part_on_cpu(capfd):
     assert "| cpu_flash | bfloat16 | 33 | key | ring of 3 |" in out
     assert "| wan | ring | 1x2 | 61 |" in out and "| 2 | ulysses | 1 | 2 x 1 |" in out
     assert "FAIL" not in out and "ALL CHECKS PASSED" in out
+
+
+def test_fsdp_memory_benchmark_shards_the_training_state(capsys):
+    from benchmarks import fsdp_memory
+
+    argv = ["--cps", "2", "--one-group", "--tokens", "64", "--text-tokens", "16", "--layers", "1"]
+    rows = {r["mode"]: r for r in fsdp_memory.main([*argv, "--repeats", "1", "--warmup", "0"])["rows"]}
+    assert set(rows) == {"ddp", "fsdp", "hsdp"}
+    for mode, row in rows.items():
+        assert row["state"] > 0 and row["peak"] > 0 and row["time"] > 0, (mode, row)
+    assert rows["fsdp"]["state"] <= 0.27 * rows["ddp"]["state"]  # sharded over world 4
+    assert rows["hsdp"]["state"] <= 0.52 * rows["ddp"]["state"]  # sharded over cp = 2, replicated over dp
+    assert "| 2 x 2 | fsdp |" in capsys.readouterr().out

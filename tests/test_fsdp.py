@@ -194,7 +194,7 @@ def plain_ddp_adamw(rank: int):
     return numpy_of({n: p for n, p in module.named_parameters()})
 
 
-def fabric_case() -> dict:
+def fabric_case(tmp: Path) -> dict:
     from lightning.fabric import Fabric
 
     from cp_lightning import FabricContextParallelStrategy
@@ -231,7 +231,22 @@ def fabric_case() -> dict:
             step += 1
         epoch += 1
     state = full_state_dict(module)
-    return {"params": numpy_of(state) if fabric.global_rank == 0 else None, "norms": norms, "errors": errors}
+    # fabric.save / fabric.load: a sharded checkpoint, restored into a freshly set-up model and optimizer
+    fabric.save(tmp / "fabric_ckpt", {"model": model, "optimizer": optimizer, "step": step})
+    torch.manual_seed(1)
+    fresh = Task(optimizer="sgd")
+    fresh_model = fabric.setup(fresh)
+    fresh_optimizer = fabric.setup_optimizers(fresh.configure_optimizers())
+    restored = {"model": fresh_model, "optimizer": fresh_optimizer, "step": 0}
+    fabric.load(tmp / "fabric_ckpt", restored)
+    loaded = full_state_dict(fresh)
+    return {
+        "params": numpy_of(state) if fabric.global_rank == 0 else None,
+        "loaded": numpy_of(loaded) if fabric.global_rank == 0 else None,
+        "loaded_step": restored["step"],
+        "norms": norms,
+        "errors": errors,
+    }
 
 
 def accelerate_cases() -> dict:
@@ -268,7 +283,7 @@ def worker(rank, world, tmp):
     return {
         "lightning": lightning_cases(tmp),
         "plain_ddp": plain_ddp_adamw(rank),
-        "fabric": fabric_case(),
+        "fabric": fabric_case(tmp),
         "accelerate": accelerate_cases(),
     }
 
@@ -374,6 +389,9 @@ def test_fabric_matches_one_process_and_clip_gradients_returns_the_full_norm(res
     probe(torch.utils.data.default_collate([Samples()[i] for i in order[:GLOBAL_BATCH]]))[0].backward()
     norm = torch.nn.utils.clip_grad_norm_(probe.parameters(), 1e6).item()
     assert abs(fabric["norms"][0] - norm) <= 1e-5 * norm, (fabric["norms"][0], norm)
+    # fabric.save / fabric.load round trip through a sharded checkpoint
+    assert fabric["loaded_step"] == STEPS
+    assert param_rel_err(tensors_of(fabric["loaded"]), tensors_of(fabric["params"])) == 0.0
 
 
 def test_accelerate_matches_one_process(results):
