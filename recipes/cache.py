@@ -28,12 +28,16 @@ def digest(obj) -> str:
     return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()
 
 
+ENCODERS = ("vae", "text_encoder", "text_encoder_2", "tokenizer", "tokenizer_2")
+
+
 def model_fingerprint(path: str) -> str:
-    """The model id plus, for a local checkpoint, its config files and its weights' sizes and mtimes."""
+    """The model id plus, for a local checkpoint, its encoders' (VAE, text encoders, tokenizers) config
+    files and their weights' sizes and mtimes; the transformer's files do not shape the cache."""
     parts: list = [str(path)]
     root = Path(path)
     if root.is_dir():
-        for p in sorted(root.rglob("*")):
+        for p in sorted(q for name in ENCODERS for q in (root / name).rglob("*")):
             if p.is_file() and p.suffix == ".json":
                 parts.append((str(p.relative_to(root)), p.read_text()))
             elif p.is_file():

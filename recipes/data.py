@@ -222,7 +222,7 @@ class EncodedData(L.LightningDataModule):
             if f < 1 or (f - 1) % temporal:
                 raise ValueError(
                     f"clips of {f} frames do not fit the VAE, which compresses {temporal} frames into one after the "
-                    f"first: use {temporal}k+1 frames, e.g. {(max(f - 1, 0) // temporal) * temporal + 1}."
+                    f"first: use {temporal}k+1 frames, e.g. {max(round((f - 1) / temporal), 0) * temporal + 1}."
                 )
         for side in (h.resolution, h.width or h.resolution):
             if side % multiple:

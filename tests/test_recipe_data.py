@@ -461,3 +461,21 @@ def test_long_videos_give_several_clips_and_fps_resamples_them(tmp_path):
     resampled = WanData(**common, fps=4).plan()  # 1.25 s at 4 fps: 6 frames, every other source frame
     assert [s["frames"] for s in resampled] == [[0, 2, 4, 6, 8]]
     assert resampled[0]["key"] not in {s["key"] for s in clips}
+
+
+def test_the_model_fingerprint_follows_the_encoders_not_the_transformer(tmp_path):
+    from recipes.cache import model_fingerprint
+
+    for name in ("vae", "text_encoder", "transformer"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text('{"a": 1}')
+        (tmp_path / name / "weights.safetensors").write_bytes(b"0000")
+    before = model_fingerprint(str(tmp_path))
+    (tmp_path / "transformer" / "config.json").write_text('{"a": 2}')  # a fine-tuned transformer: same latents
+    assert model_fingerprint(str(tmp_path)) == before
+    (tmp_path / "vae" / "config.json").write_text('{"a": 2}')
+    changed = model_fingerprint(str(tmp_path))
+    assert changed != before
+    (tmp_path / "text_encoder" / "weights.safetensors").write_bytes(b"00000")
+    assert model_fingerprint(str(tmp_path)) != changed
+    assert model_fingerprint("owner/model") != model_fingerprint("owner/other")
