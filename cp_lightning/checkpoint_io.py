@@ -106,3 +106,28 @@ def _free(directory: Path) -> str:
     except OSError:
         return "unknown"
     return f"{st.f_bavail * st.f_frsize / 2**20:.1f} MiB"
+
+
+def repair_epoch_progress(checkpoint: dict) -> bool:
+    """Undo Lightning's epoch-counter drift in a checkpoint saved inside an epoch by a resumed run. Returns
+    whether it changed anything.
+
+    Lightning (2.6) resumes a checkpoint saved at the end of an epoch's last batch by finishing that epoch
+    and starting the next one without counting it as ready/started. A checkpoint that run saves inside the
+    next epoch then holds ready == started == processed == completed, so the next resume hands the samplers
+    the previous epoch's number (``set_epoch(processed)``): the same shuffle twice, and losses that are not
+    the uninterrupted run's. Inside an epoch, ready and started are one more than processed; restore that.
+    """
+    try:
+        progress = checkpoint["loops"]["fit_loop"]["epoch_progress"]
+        batch = checkpoint["loops"]["fit_loop"]["epoch_loop.batch_progress"]["current"]
+    except (KeyError, TypeError):
+        return False
+    inside_a_batch = batch["completed"] == batch["ready"] - 1 >= 0
+    changed = False
+    for counts in (progress["total"], progress["current"]):
+        if inside_a_batch and counts["ready"] == counts["started"] == counts["processed"] == counts["completed"]:
+            counts["ready"] += 1
+            counts["started"] += 1
+            changed = True
+    return changed

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.distributed.device_mesh import DeviceMesh
 
 from cp_lightning.kernels import get_kernel
@@ -163,11 +164,28 @@ def sum_cp_mean_dp_hook(dp_size, bucket):
     return work.get_future().then(lambda fut: fut.value()[0])
 
 
-def register_ddp_hook(ddp: nn.parallel.DistributedDataParallel, dp_size: int, loss_parallel: bool) -> None:
-    """Give ``ddp`` (wrapping the whole dp x cp world) the exact gradient reduction."""
+def register_ddp_hook(
+    ddp: nn.parallel.DistributedDataParallel, dp_size: int, loss_parallel: bool, nonfinite=None
+) -> None:
+    """Give ``ddp`` (wrapping the whole dp x cp world) the exact gradient reduction. With an active
+    :class:`cp_lightning.faults.NonFiniteCheck`, each bucket's local gradients are checked first."""
+    check = nonfinite if nonfinite is not None and nonfinite.active else None
     if loss_parallel:
-        return  # plain DDP mean over dp x cp is exact when each rank's loss covers its own shard
-    ddp.register_comm_hook(state=dp_size, hook=sum_cp_mean_dp_hook)
+        if check is None:
+            return  # plain DDP mean over dp x cp is exact when each rank's loss covers its own shard
+        state, hook = None, default_hooks.allreduce_hook  # DDP's own mean, as a hook
+    else:
+        state, hook = dp_size, sum_cp_mean_dp_hook
+    if check is not None:
+        state, hook = (check, state, hook), _checked_hook
+    ddp.register_comm_hook(state=state, hook=hook)
+
+
+def _checked_hook(state, bucket):
+    """Note whether this rank's own gradients are finite (before the all-reduce mixes ranks), then reduce."""
+    check, inner_state, inner = state
+    check.note_grads(bucket.buffer())
+    return inner(inner_state, bucket)
 
 
 # -- FSDP2 ------------------------------------------------------------------------------------------

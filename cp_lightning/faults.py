@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import socket
 import time
 import traceback
@@ -239,3 +240,16 @@ def set_collective_timeout(timeout: timedelta, mesh, ring: int) -> None:
     dist.barrier()
     for group in groups.values():
         dist.distributed_c10d._set_pg_timeout(timeout, group)
+
+
+def stop_processes(procs, grace: float = 2.0) -> None:
+    """SIGKILL the ``subprocess.Popen`` children still running after ``grace`` seconds (time to print their own
+    errors). SIGKILL, as Lightning's own observer does: a rank blocked in a collective ignores SIGTERM."""
+    running = [p for p in procs if p.poll() is None]
+    deadline = time.monotonic() + grace
+    while running and time.monotonic() < deadline:
+        time.sleep(0.1)
+        running = [p for p in running if p.poll() is None]
+    for p in running:
+        p.send_signal(signal.SIGKILL)
+        p.wait()

@@ -23,16 +23,19 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping, Sequence
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import torch
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.strategies import DDPStrategy as FabricDDPStrategy
 from lightning.pytorch.strategies import DDPStrategy
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from cp_lightning import data_parallel
+from cp_lightning import data_parallel, faults
+from cp_lightning.checkpoint_io import AtomicCheckpointIO, repair_epoch_progress
 from cp_lightning.mesh import CP, DP, build_mesh
 
 
@@ -164,10 +167,15 @@ class _ContextParallel:
         )
 
     def _checkpoint_meta(self) -> dict:
-        return {"rng_states": self._gather_rng_states(), "cp": self.cp, "ring": self.ring, "fsdp": self.fsdp}
+        meta = {"rng_states": self._gather_rng_states(), "cp": self.cp, "ring": self.ring, "fsdp": self.fsdp}
+        if hasattr(self, "nonfinite"):
+            meta["skipped_steps"] = self.nonfinite.skipped
+        return meta
 
     def _register_cp_hook(self, ddp: nn.parallel.DistributedDataParallel) -> None:
-        data_parallel.register_ddp_hook(ddp, self.dp_size, self.loss_parallel)
+        data_parallel.register_ddp_hook(
+            ddp, self.dp_size, self.loss_parallel, nonfinite=getattr(self, "nonfinite", None)
+        )
 
     def shard(self, tensor: torch.Tensor, dim: int = 1) -> torch.Tensor:
         """This rank's sequence shard of ``tensor`` (loss-parallel targets)."""
@@ -202,7 +210,14 @@ class ContextParallelStrategy(_ContextParallel, DDPStrategy):
         hsdp: (fsdp) shard inside each CP group and replicate across dp, instead of sharding over dp x cp.
         fsdp_blocks: (fsdp) class names of the blocks to shard one by one; default: the model's diffusers
             ``_repeated_blocks``.
-        **kwargs: passed to Lightning's ``DDPStrategy`` (``timeout``, ``start_method``, DDP arguments).
+        timeout: how long a collective waits for its peers (a ``timedelta`` or seconds), in every group of the
+            mesh, before it fails naming the collective and the missing ranks; Lightning's 30 min if None.
+        nonfinite: a non-finite loss or local gradient ``"raise"``s :class:`~cp_lightning.faults.NonFiniteError`
+            (naming the step and the ranks, before any weight changes), ``"skip"``s the step (counted in
+            ``skipped_steps``, logged) or is ``"ignore"``d (no check). See docs/operations.md.
+        **kwargs: passed to Lightning's ``DDPStrategy`` (``start_method``, ``checkpoint_io``, DDP arguments).
+            Checkpoints are written atomically (:class:`~cp_lightning.checkpoint_io.AtomicCheckpointIO`)
+            unless another ``checkpoint_io`` is given.
     """
 
     strategy_name = "context_parallel"
@@ -222,18 +237,75 @@ class ContextParallelStrategy(_ContextParallel, DDPStrategy):
         cpu_offload: bool = False,
         hsdp: bool = False,
         fsdp_blocks: Sequence[str] | None = None,
+        timeout: timedelta | float | None = None,
+        nonfinite: str = "raise",
         **kwargs: Any,
     ) -> None:
         self._init_cp(cp, ring, plan, loss_parallel, kernel, allow_cross_node, check_steps)
         self._init_fsdp(fsdp, reshard_after_forward, cpu_offload, hsdp, fsdp_blocks)
+        self.nonfinite = faults.NonFiniteCheck(nonfinite)
+        # Joining at start-up can take longer than any collective should (ranks import and load at their own
+        # pace): the rendezvous waits at least Lightning's default, the collectives `timeout` from setup on.
+        self._collective_timeout = faults.check_timeout(timeout) if timeout is not None else None
+        if timeout is not None:
+            kwargs["timeout"] = max(self._collective_timeout, default_pg_timeout)
+        kwargs.setdefault("checkpoint_io", AtomicCheckpointIO())
         super().__init__(**kwargs)
+        self._rank_table: list | None = None
+
+    @property
+    def skipped_steps(self) -> int:
+        """Optimizer steps skipped for a non-finite loss or gradient (``nonfinite="skip"``), resumes included."""
+        return self.nonfinite.skipped
+
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        self._rank_table = faults.rank_table()
 
     def setup(self, trainer) -> None:
         if self.fsdp:
             options = self.fsdp_options
             data_parallel.check_fsdp_model(self.lightning_module, self.plan, options)  # before any collective
         self._parallelize(self.lightning_module)
+        # every group of the mesh: torch gives new groups 30 min, whatever the world's timeout
+        faults.set_collective_timeout(self._collective_timeout or self._timeout, self.device_mesh, self.ring)
         super().setup(trainer)
+
+    def training_step(self, *args, **kwargs):
+        out = super().training_step(*args, **kwargs)
+        loss = out.get("loss") if isinstance(out, Mapping) else out
+        if self.nonfinite.active and isinstance(loss, torch.Tensor):
+            self.nonfinite.note_loss(loss)
+        return out
+
+    def optimizer_step(self, optimizer, closure, model=None, **kwargs):
+        if not self.nonfinite.active:
+            return super().optimizer_step(optimizer, closure, model, **kwargs)
+        trainer = self.lightning_module.trainer
+
+        def checked_closure():
+            result = closure()  # forward and backward: the gradients are all-reduced now
+            if self.nonfinite.resolve(trainer.global_step, self.root_device):  # raises in mode "raise"
+                optimizer.zero_grad(set_to_none=True)  # the optimizer leaves parameters without a gradient alone
+                for logger in trainer.loggers:
+                    logger.log_metrics({"skipped_steps": self.nonfinite.skipped}, step=trainer.global_step)
+            return result
+
+        return super().optimizer_step(optimizer, checked_closure, model, **kwargs)
+
+    def on_exception(self, exception: BaseException) -> None:
+        super().on_exception(exception)
+        if faults.is_collective_failure(exception):
+            timeout = self._collective_timeout or self._timeout
+            faults.augment(
+                exception,
+                faults.explain_collective_failure(
+                    exception, rank=self.global_rank, table=self._rank_table, timeout=timeout
+                ),
+            )
+        # Lightning's script launcher stops the other ranks when a child fails, not when rank 0 (the launching
+        # process) raises: they would wait in a collective until the timeout, orphaned.
+        faults.stop_processes(getattr(self.launcher, "procs", []))
 
     def configure_ddp(self) -> None:
         if self.fsdp:
@@ -317,7 +389,10 @@ class ContextParallelStrategy(_ContextParallel, DDPStrategy):
                 optimizer_states_from_list=True,
                 weights_only=kwargs.get("weights_only"),
             )
-        self._restore_rng_state(checkpoint.get("cp_lightning", {}).get("rng_states"))
+        repair_epoch_progress(checkpoint)  # else a second resume re-shuffles with the previous epoch's seed
+        state = checkpoint.get("cp_lightning", {})
+        self._restore_rng_state(state.get("rng_states"))
+        self.nonfinite.skipped = state.get("skipped_steps", 0)
         return checkpoint
 
 

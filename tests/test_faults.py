@@ -25,7 +25,7 @@ import pytest
 import torch
 
 from cp_lightning import ContextParallelStrategy
-from cp_lightning.checkpoint_io import AtomicCheckpointIO
+from cp_lightning.checkpoint_io import AtomicCheckpointIO, repair_epoch_progress
 from cp_lightning.faults import NonFiniteCheck, is_collective_failure
 from tests.distributed import free_port
 from tests.lightning_tasks import read_records
@@ -228,3 +228,19 @@ def test_fault_options_are_checked_at_construction():
     # only backend failures get the collective explanation, not the user's own errors
     assert not is_collective_failure(ValueError("bad shape"))
     assert is_collective_failure(RuntimeError("[gloo/transport/tcp/pair.cc:534] Connection closed by peer"))
+
+
+def test_epoch_counters_of_a_checkpoint_saved_by_a_resumed_run_are_repaired():
+    # Lightning 2.6's counters in a checkpoint saved inside epoch 3 by a run that resumed at the end of
+    # epoch 2's last batch: ready == started == processed == completed == 3 (a fresh run holds 4, 4, 3, 3)
+    def checkpoint(ready, started, processed, completed, batch_completed=0):
+        counts = dict(ready=ready, started=started, processed=processed, completed=completed)
+        batch = {"current": dict(ready=1, started=1, processed=1, completed=batch_completed)}
+        progress = {"total": dict(counts), "current": dict(counts)}
+        return {"loops": {"fit_loop": {"epoch_progress": progress, "epoch_loop.batch_progress": batch}}}
+
+    drifted = checkpoint(3, 3, 3, 3)
+    assert repair_epoch_progress(drifted)
+    assert drifted["loops"]["fit_loop"]["epoch_progress"]["total"] == dict(ready=4, started=4, processed=3, completed=3)
+    for sound in (checkpoint(4, 4, 3, 3), checkpoint(3, 3, 3, 3, batch_completed=1), {"state_dict": {}}):
+        assert not repair_epoch_progress(sound)  # a fresh run's, a finished epoch's, a weights-only file
