@@ -31,6 +31,7 @@ import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.strategies import DDPStrategy as FabricDDPStrategy
 from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
@@ -305,7 +306,8 @@ class ContextParallelStrategy(_ContextParallel, DDPStrategy):
             )
         # Lightning's script launcher stops the other ranks when a child fails, not when rank 0 (the launching
         # process) raises: they would wait in a collective until the timeout, orphaned.
-        faults.stop_processes(getattr(self.launcher, "procs", []))
+        if isinstance(self.launcher, _SubprocessScriptLauncher):
+            faults.stop_processes(self.launcher.procs)
 
     def configure_ddp(self) -> None:
         if self.fsdp:
