@@ -163,10 +163,15 @@ def rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
 class Reference:
     """The one-process run of a case: models before any backward, inputs, outputs and gradients."""
 
-    def __init__(self, case: TinyCase, tokens: int, text_tokens: int | None = None) -> None:
+    def __init__(self, case: TinyCase, tokens: int, text_tokens: int | None = None, *, ckpt: bool = False) -> None:
         self.case = case
         self.models = build(case)
         self.pristine = copy.deepcopy(self.models)
+        # with checkpointing on both sides: a model's checkpointed path may differ from its plain one
+        # (diffusers 0.42.1 Chroma drops the mask in checkpointed single blocks)
+        self.ckpt = ckpt
+        for model in self.models if ckpt else ():
+            model.enable_gradient_checkpointing()
         self.inputs = make_inputs(case, self.models, tokens, text_tokens)
         self.outs = forward_backward(self.models, self.inputs)
         self.grads = grads(self.models)
@@ -178,14 +183,15 @@ class Reference:
         )
 
 
-def run_cp(ref: Reference, mesh, ring: int, *, ckpt: bool = False, plan: Mapping | None = None) -> dict:
-    """One CP run of ``ref``'s case on ``mesh``: errors against the reference (every rank gets them)."""
+def run_cp(ref: Reference, mesh, ring: int, *, plan: Mapping | None = None) -> dict:
+    """One CP run of ``ref``'s case on ``mesh`` (checkpointed when the reference is): errors against the
+    reference, the same on every rank."""
     from cp_lightning import parallelize, remove
     from cp_lightning.mesh import CP, cp_groups
 
     models = copy.deepcopy(ref.pristine)
     for model in models:
-        if ckpt:
+        if ref.ckpt:
             model.enable_gradient_checkpointing()
         parallelize(model, mesh=mesh, ring=ring, plan=plan)
     try:
@@ -268,13 +274,13 @@ def _check_worker(rank, world, spec, tokens, mode_list, plan_ref, ckpt):
 
     case = resolve_case(spec)  # cases hold functions, so workers rebuild them from the spec
     plan = load_attr(plan_ref) if plan_ref else None
-    ref = Reference(case, tokens)
+    refs = {use_ckpt: Reference(case, tokens, ckpt=use_ckpt) for use_ckpt in ((False, True) if ckpt else (False,))}
     mesh = build_mesh(world)
     rows = []
     for name, ring in mode_list:
-        for use_ckpt in (False, True) if ckpt else (False,):
+        for use_ckpt, ref in refs.items():
             try:
-                row = run_cp(ref, mesh, ring, ckpt=use_ckpt, plan=plan)
+                row = run_cp(ref, mesh, ring, plan=plan)
             except Exception as err:  # noqa: BLE001 - a refusal (ValueError) or a crash is one row of the table
                 kind = "refused" if isinstance(err, ValueError) else f"crashed ({type(err).__name__})"
                 row = {"out_err": float("nan"), "grad_err": float("nan"), "worst": "", "silent": [], "error": kind}
