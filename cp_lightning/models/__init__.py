@@ -73,6 +73,8 @@ class TinyCase:
     unused: tuple[str, ...] = ()
     text_tokens: int = 7
     heads: int = 4  # attention heads in the config (the checker keeps ulysses <= heads)
+    # the CP-summed gradient tolerance (relative): 1e-4 unless the case's entry says why fp32 cannot do better
+    grad_tol: float = 1e-4
     note: str = ""
     extra: Mapping = field(default_factory=dict)
 
