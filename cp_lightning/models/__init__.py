@@ -11,7 +11,7 @@ Adding a model touches one family module and one test row, nothing in the engine
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from torch import nn
 
@@ -72,11 +72,9 @@ class TinyCase:
     experts: int = 1
     unused: tuple[str, ...] = ()
     text_tokens: int = 7
-    heads: int = 4  # attention heads in the config (the checker keeps ulysses <= heads)
     # the CP-summed gradient tolerance (relative): 1e-4 unless the case's entry says why fp32 cannot do better
     grad_tol: float = 1e-4
     note: str = ""
-    extra: Mapping = field(default_factory=dict)
 
 
 PLANS: dict[str, PlanEntry] = {}
