@@ -107,8 +107,8 @@ def build_model(args):
 
 def _worker(rank, world, mode, args):
     from cp_lightning import build_mesh, collectives, parallelize
-    from cp_lightning.attention import route_processors
     from cp_lightning.parallelize import parallel_state
+    from cp_lightning.routing import route_processors
     from cp_lightning.tiny import tiny_inputs
 
     model = build_model(args)

@@ -7,12 +7,14 @@ Public entry points: :func:`build_mesh` (the (dp, cp) device mesh) and :func:`pa
 from cp_lightning.checks import CPMismatchError
 from cp_lightning.mesh import build_mesh
 from cp_lightning.parallelize import loss_shard, parallelize, remove
+from cp_lightning.plan import Unsplit
 from cp_lightning.strategy import ContextParallelStrategy, FabricContextParallelStrategy
 
 __all__ = [
     "CPMismatchError",
     "ContextParallelStrategy",
     "FabricContextParallelStrategy",
+    "Unsplit",
     "build_mesh",
     "loss_shard",
     "parallelize",

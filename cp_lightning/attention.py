@@ -1,24 +1,16 @@
-"""Context-parallel attention and its routing into diffusers' attention processors.
+"""Context-parallel attention: exact attention over sequence-sharded inputs across the CP group.
 
-diffusers' CP-aware processors pass ``parallel_config=self._parallel_config`` to
-``dispatch_attention_fn`` for attention over split tokens, and ``None`` where the keys are not split
-(Wan's text and image cross-attention). cp_lightning sets a :class:`ContextParallelAttention` as that
-``_parallel_config`` on each processor of a parallelized model, and wraps the dispatcher that the
-processor's module calls so that such a config routes to our attention. Everything else passes
-through untouched, so unparallelized models in the same process keep diffusers' behaviour. We do
-not call diffusers' ``enable_parallelism``: it fails on CPU-only hosts (DESIGN.md section 6).
+:func:`cp_attention` is Ulysses, ring or USP over a :class:`CPGroups`; :class:`ContextParallelAttention`
+is the callable that routing.py hands diffusers' processors (as their ``_parallel_config``, or behind
+their ``F.scaled_dot_product_attention``). We do not call diffusers' ``enable_parallelism``: it fails
+on CPU-only hosts (DESIGN.md section 6).
 """
 
 from __future__ import annotations
 
-import functools
-import inspect
-import sys
-
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch import nn
 
 from cp_lightning import collectives
 from cp_lightning.kernels import pick_kernel
@@ -86,6 +78,35 @@ def _check_mask(mask: torch.Tensor, heads: int) -> None:
         raise ValueError(
             f"attention mask of shape {tuple(mask.shape)}: its head dim must be 1 or the head count {heads}."
         )
+
+
+def collapse_mask(mask: torch.Tensor | None, q_len: int, k_len: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """A boolean per-query mask that is an outer product ``q_valid x k_valid`` -> key mask and row mask.
+
+    HunyuanVideo-1.5 and Chroma build their text-padding masks as ``(B, 1, S, S)`` outer products of one
+    key-padding vector. Such a mask is exactly the key mask ``k_valid`` followed by zeroing the query
+    rows that see no key (SDPA returns 0 for a fully masked row). This is checked, not assumed: the
+    mask must equal the outer product of its own row and column ``any``. Returns ``(key_mask, rows)``,
+    ``rows`` of shape ``(B, S_q, 1 | H, 1)`` multiplying the ``(B, S_q, H, D)`` output, or None when
+    nothing is to be zeroed. Key masks pass through; anything else per query raises ValueError.
+    """
+    if mask is None or mask.dim() < 2 or mask.shape[-2] == 1:
+        return mask, None
+    if mask.dtype != torch.bool or mask.dim() != 4 or mask.shape[-2] != q_len or mask.shape[-1] != k_len:
+        raise ValueError(
+            f"attention mask of shape {tuple(mask.shape)} has one row per query; under context parallelism only "
+            "key-padding masks (size 1 in the query dim, e.g. (B, 1, 1, S_k)) and boolean (B, 1|H, S_q, S_k) outer "
+            f"products of padding vectors over this rank's {q_len} queries and {k_len} keys are supported."
+        )
+    q_valid, k_valid = mask.any(dim=-1), mask.any(dim=-2)  # B, H|1, S_q and B, H|1, S_k
+    if not torch.equal(mask, q_valid[..., :, None] & k_valid[..., None, :]):
+        raise ValueError(
+            f"boolean attention mask of shape {tuple(mask.shape)} is not an outer product of query and key padding "
+            "vectors (it differs from valid_q[:, :, :, None] & valid_k[:, :, None, :]); such per-query masks "
+            "(e.g. block-causal) cannot follow their keys under context parallelism."
+        )
+    rows = None if bool(q_valid.all()) else q_valid.transpose(1, 2).unsqueeze(-1).to(torch.float32)
+    return k_valid.unsqueeze(-2), rows
 
 
 def _gather_mask(mask: torch.Tensor, group: dist.ProcessGroup, lengths: list[int], heads: list[int]) -> torch.Tensor:
@@ -214,14 +235,29 @@ class ContextParallelAttention:
         self.state = SplitState() if state is None else state
 
     def __call__(
-        self, query, key, value, *, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False
+        self,
+        query,
+        key,
+        value,
+        *,
+        attn_mask=None,
+        dropout_p=0.0,
+        is_causal=False,
+        scale=None,
+        enable_gqa=False,
+        where: str | None = None,
     ) -> torch.Tensor:
-        if dropout_p or is_causal or enable_gqa:
-            raise ValueError(
-                "context-parallel attention supports neither attention dropout, causal masking nor GQA "
-                f"(got dropout_p={dropout_p}, is_causal={is_causal}, enable_gqa={enable_gqa})."
-            )
-        return cp_attention(
+        """``(B, S_local, H, D)`` in and out; ``where`` (the attention module's path) prefixes errors."""
+        try:
+            if dropout_p or is_causal or enable_gqa:
+                raise ValueError(
+                    "context-parallel attention supports neither attention dropout, causal masking nor GQA "
+                    f"(got dropout_p={dropout_p}, is_causal={is_causal}, enable_gqa={enable_gqa})."
+                )
+            attn_mask, rows = collapse_mask(attn_mask, query.shape[1], key.shape[1])
+        except ValueError as err:
+            raise ValueError(f"{where}: {err}" if where else str(err)) from None
+        out = cp_attention(
             query,
             key,
             value,
@@ -231,81 +267,7 @@ class ContextParallelAttention:
             kernel=self.kernel,
             even=self.state.even,
         )
+        return out if rows is None else out * rows.to(out.dtype)
 
     def __repr__(self) -> str:
         return f"ContextParallelAttention(cp={self.groups.cp_size}, ring={self.groups.ring_size})"
-
-
-def _routed(original):
-    signature = inspect.signature(original)
-
-    @functools.wraps(original)
-    def dispatch_attention_fn(*args, **kwargs):
-        config = kwargs.get("parallel_config")
-        if not isinstance(config, ContextParallelAttention):
-            return original(*args, **kwargs)
-        bound = signature.bind(*args, **kwargs)
-        bound.apply_defaults()
-        a = bound.arguments
-        return config(
-            a["query"],
-            a["key"],
-            a["value"],
-            attn_mask=a["attn_mask"],
-            dropout_p=a["dropout_p"],
-            is_causal=a["is_causal"],
-            scale=a["scale"],
-            enable_gqa=a["enable_gqa"],
-        )
-
-    dispatch_attention_fn.__cp_lightning_original__ = original
-    return dispatch_attention_fn
-
-
-def attention_modules(module: nn.Module) -> list[tuple[str, nn.Module]]:
-    """The diffusers attention modules (those with a ``processor``) inside ``module``."""
-    return [(name, sub) for name, sub in module.named_modules() if hasattr(sub, "processor")]
-
-
-def check_processors(module: nn.Module, ulysses_degree: int) -> list[tuple[str, nn.Module]]:
-    """Validate every attention module before any communication; returns them."""
-    found = attention_modules(module)
-    if not found:
-        raise ValueError(f"{type(module).__name__} has no diffusers attention module (none with a `processor`).")
-    for name, sub in found:
-        processor = sub.processor
-        if not hasattr(processor, "_parallel_config"):
-            raise ValueError(
-                f"attention processor {type(processor).__name__} at {name!r} does not support context parallelism "
-                "(it has no `_parallel_config`); give the module the model's own *AttnProcessor before "
-                "parallelize()."
-            )
-        module_globals = sys.modules[type(processor).__module__].__dict__
-        if "dispatch_attention_fn" not in module_globals:
-            raise ValueError(
-                f"attention processor {type(processor).__name__} at {name!r} does not call diffusers' "
-                "dispatch_attention_fn, so its attention cannot be routed to the CP group."
-            )
-        heads = getattr(sub, "heads", None)
-        if isinstance(heads, int) and heads < ulysses_degree:
-            raise ValueError(
-                f"{name!r} has {heads} attention heads, fewer than the Ulysses degree {ulysses_degree} (each "
-                f"Ulysses rank attends over at least one head); use cp / ring <= {heads}, e.g. a larger ring degree."
-            )
-    return found
-
-
-def route_processors(found: list[tuple[str, nn.Module]], config: ContextParallelAttention) -> None:
-    for _, sub in found:
-        processor = sub.processor
-        module_globals = sys.modules[type(processor).__module__].__dict__
-        dispatch = module_globals["dispatch_attention_fn"]
-        if not hasattr(dispatch, "__cp_lightning_original__"):
-            module_globals["dispatch_attention_fn"] = _routed(dispatch)
-        processor._parallel_config = config
-
-
-def unroute_processors(found: list[tuple[str, nn.Module]]) -> None:
-    for _, sub in found:
-        # Drop the instance attribute so the class default (None: no CP) shows through again.
-        sub.processor.__dict__.pop("_parallel_config", None)

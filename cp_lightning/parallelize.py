@@ -8,18 +8,18 @@ mistake is therefore a ValueError on every rank alike, never a hang in a half-en
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.utils.hooks import RemovableHandle
 
-from cp_lightning import attention, collectives
+from cp_lightning import attention, collectives, routing
 from cp_lightning.checks import ConsistencyCheck
 from cp_lightning.kernels import get_kernel
 from cp_lightning.mesh import CP, CPGroups, _require_process_group, build_mesh, cp_groups, validate_degrees
-from cp_lightning.plan import SplitState, apply_plan, remove_plan, resolve_plan
+from cp_lightning.plan import SplitState, apply_plan, remove_plan, resolve_plan, unsplit_paths
 
 _STATE = "_cp_lightning_state"
 
@@ -35,6 +35,7 @@ class ParallelState:
     check: ConsistencyCheck
     loss_parallel: bool
     split: SplitState  # split.even: every split so far divided evenly over the CP ranks
+    routes: list = field(default_factory=list)  # routing.Route per routed attention module
 
 
 def parallelize(
@@ -91,7 +92,7 @@ def parallelize(
         get_kernel(kernel)
 
     entries = resolve_plan(module, plan)
-    found = attention.check_processors(module, cp // ring)
+    found = routing.check_processors(module, cp // ring, unsplit_paths(entries))
 
     if mesh is None:
         mesh = build_mesh(cp, ring=ring)
@@ -100,8 +101,9 @@ def parallelize(
     state = SplitState()  # written by the split hooks, read by the gathers and the attention
     handles = apply_plan(entries, groups.cp, check=check, gather=not loss_parallel, state=state, root=module)
     handles.append(module.register_forward_pre_hook(lambda mod, _args: check.on_forward(mod)))
-    attention.route_processors(found, attention.ContextParallelAttention(groups, kernel, state))
-    setattr(module, _STATE, ParallelState(mesh, groups, handles, found, check, loss_parallel, state))
+    routes = routing.route_processors(found, attention.ContextParallelAttention(groups, kernel, state), state)
+    handles.extend(handle for route in routes for handle in route.handles)
+    setattr(module, _STATE, ParallelState(mesh, groups, handles, found, check, loss_parallel, state, routes))
     return module
 
 
@@ -111,7 +113,7 @@ def remove(module: nn.Module) -> nn.Module:
     if state is None:
         raise ValueError("this module is not parallelized.")
     remove_plan(state.handles)
-    attention.unroute_processors(state.attention_modules)
+    routing.unroute_processors(state.attention_modules)
     delattr(module, _STATE)
     return module
 

@@ -76,6 +76,19 @@ class PerTokenInput(ContextParallelInput):
         return f"PerTokenInput(split_dim={self.split_dim}, expected_dims={self.expected_dims})"
 
 
+@dataclass(frozen=True)
+class Unsplit:
+    """Plan marker ``{path: Unsplit()}``: the module runs on full, replicated tokens (e.g. a text refiner
+    before the split). Its attention modules keep their own processors, whatever they are, and attend
+    locally with no CP communication. Attention that runs before the first split or after a gather is
+    found without it (routing.py); declare modules whose processor cp_lightning cannot route."""
+
+
+def unsplit_paths(entries: Sequence[ResolvedEntry]) -> tuple[str, ...]:
+    """The module paths a resolved plan declares :class:`Unsplit`."""
+    return tuple(name for entry in entries if isinstance(entry.spec, Unsplit) for name, _ in entry.modules)
+
+
 def default_plan(module: nn.Module) -> Mapping:
     """The plan library's entry for ``module``'s class, else its diffusers ``_cp_plan`` (see cp_lightning.models)."""
     from cp_lightning.models import plan_for
@@ -154,15 +167,17 @@ def resolve_plan(module: nn.Module, plan: Mapping | None) -> list[ResolvedEntry]
         if not isinstance(path, str):
             raise TypeError(f"plan keys are submodule paths (str), got {path!r}.")
         found = _find_modules(module, path)
-        if isinstance(spec, Mapping):
+        if isinstance(spec, Unsplit):
+            pass
+        elif isinstance(spec, Mapping):
             for name, sub in found:
                 _check_inputs(name or "<root>", sub, spec)
         else:
             outs = spec if isinstance(spec, (list, tuple)) else [spec]
             if not all(out is None or isinstance(out, ContextParallelOutput) for out in outs):
                 raise TypeError(
-                    f"plan entry {path!r} must be a dict of inputs, a ContextParallelOutput or a list of them; "
-                    f"got {spec!r}."
+                    f"plan entry {path!r} must be a dict of inputs, a ContextParallelOutput or a list of them, or "
+                    f"Unsplit(); got {spec!r}."
                 )
             has_gather = True
         entries.append(ResolvedEntry(path, tuple(found), spec))
@@ -194,7 +209,7 @@ def _mark_terminal(root: nn.Module, entries: list[ResolvedEntry]) -> list[Resolv
     last_split = max(splits, default=-1)
     marked = []
     for entry in entries:
-        if not isinstance(entry.spec, Mapping):
+        if not isinstance(entry.spec, (Mapping, Unsplit)):
             gathered_at = min(end[id(sub)] + 0.5 for _, sub in entry.modules)
             entry = ResolvedEntry(entry.path, entry.modules, entry.spec, terminal=gathered_at > last_split)
         marked.append(entry)
@@ -211,7 +226,7 @@ class SplitState:
         self.even = True
         self.lengths: dict[str, int] = {}  # full length of each split argument, by name (for JointInput)
         self.record: ForwardRecord | None = None  # the current forward pass (gradients.py)
-        self.sharded = False  # between a split and a gather in the current forward pass
+        self.sharded = False  # between a split of tokens and a gather in the current forward pass
 
     def begin_forward(self, loss_parallel: bool) -> None:
         self.record = ForwardRecord(loss_parallel)
@@ -336,15 +351,20 @@ def _split_joint(x, spec: JointInput, group, where: str, check=None, state=None)
 def _split_outputs_hook(name: str, spec: Mapping, group, state=None) -> Callable:
     by_index = {key: value for key, value in spec.items() if isinstance(key, int)}
 
-    def hook(_module, _args, output):
+    def hook(module, _args, output):
         single = isinstance(output, torch.Tensor)
         items = [output] if single else list(output)
+        sharded = None if state is None else state.sharded
         for index, item_spec in by_index.items():
             if index >= len(items):
                 raise ValueError(
                     f"{name}: the plan splits output {index}, but the module returned {len(items)} outputs."
                 )
             items[index] = _split_value(items[index], item_spec, group, f"{name}->output[{index}]", state=state)
+        if state is not None and next(module.parameters(), None) is None:
+            # a parameter-free module's outputs are position tables (RoPE), not tokens: attention that runs
+            # next (HunyuanVideo's text refiner, after its rope) is still outside the split region
+            state.sharded = sharded
         return items[0] if single else type(output)(items)
 
     return hook
@@ -416,6 +436,8 @@ def apply_plan(
     state = SplitState() if state is None else state
     handles = []
     for entry in entries:
+        if isinstance(entry.spec, Unsplit):
+            continue  # routing.py leaves its attention alone
         for name, sub in entry.modules:
             if isinstance(entry.spec, Mapping):
                 if any(isinstance(key, str) for key in entry.spec):

@@ -58,8 +58,8 @@ def test_real_config_fits_its_architecture(config):
     import diffusers
     from accelerate import init_empty_weights
 
-    from cp_lightning.attention import check_processors
     from cp_lightning.plan import resolve_plan
+    from cp_lightning.routing import check_processors
 
     raw = yaml.safe_load((ROOT / "configs" / config).read_text())
     arch = json.loads((ROOT / "configs" / "architectures" / REAL[config]).read_text())

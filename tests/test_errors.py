@@ -148,7 +148,7 @@ def test_degrees_must_be_positive_ints(cp):
 
 
 def test_usp_needs_a_head_per_ulysses_rank():
-    from cp_lightning.attention import check_processors
+    from cp_lightning.routing import check_processors
     from cp_lightning.tiny import tiny_model
 
     # cp=4 with ring=2 leaves a Ulysses degree of 2: one head cannot be shared by two ranks

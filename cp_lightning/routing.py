@@ -1,0 +1,231 @@
+"""Which attention runs over the CP group, and how a processor's attention call gets there.
+
+Processors come in three kinds:
+
+* **dispatch**: the processor calls diffusers' ``dispatch_attention_fn`` with
+  ``parallel_config=self._parallel_config`` (Flux, Wan, QwenImage, LTX, HunyuanVideo, Z-Image, ...).
+  We set a :class:`~cp_lightning.attention.ContextParallelAttention` as that config and wrap the
+  dispatcher of the processor's module; a call with ``parallel_config=None`` (Wan's cross-attention to
+  unsplit text) passes through.
+* **sdpa**: the processor calls ``F.scaled_dot_product_attention`` itself (SD3/SD3.5's
+  ``JointAttnProcessor2_0``, ``AttnProcessor2_0``, CogVideoX's processor). For the stock processors in
+  :data:`SDPA_PROCESSORS`, whose only cross-token operation is that call, the ``F`` their module sees
+  is replaced by a proxy whose ``scaled_dot_product_attention`` runs CP attention while such a module
+  is running (and plain SDPA otherwise): the user passes the stock model and keeps its processors.
+* **anything else** is refused by :func:`check_processors` before any communication, unless the plan
+  declares the module :class:`~cp_lightning.plan.Unsplit`.
+
+Local or CP, per module: attention runs over the CP group only when it is called between a split and
+a gather of the forward pass (``SplitState.sharded``). Elsewhere (a text refiner before the split,
+layers after a gather) the module's own attention runs on its full, replicated tokens with no
+communication, instead of exchanging cp copies of them. The choice is made in the forward pass and
+remembered per module, so that activation checkpointing's recomputation (during backward, after the
+forward's gathers) routes each module the same way.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import sys
+from dataclasses import dataclass, field
+
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+
+from cp_lightning.attention import ContextParallelAttention
+from cp_lightning.plan import SplitState
+
+# stock processors that call SDPA directly, by class name -> how their keys relate to their queries:
+# "joint": keys are the queries' own tokens (self or joint image+text attention): CP when split;
+# "self": like "joint" without encoder_hidden_states, but cross-attention (encoder_hidden_states
+# given, e.g. to unsplit text) stays local, as diffusers' own processors do
+SDPA_PROCESSORS = {
+    "JointAttnProcessor2_0": "joint",
+    "CogVideoXAttnProcessor2_0": "joint",
+    "AttnProcessor2_0": "self",
+}
+
+
+@dataclass
+class Route:
+    """One attention module's routing: its path, processor kind, and whether the current call is CP."""
+
+    name: str
+    kind: str  # "dispatch", "joint" or "self"
+    config: ContextParallelAttention
+    cp: bool = True
+    handles: list[RemovableHandle] = field(default_factory=list)
+
+
+_ACTIVE: list[Route] = []  # the routed attention modules running now, innermost last
+
+
+def attention_modules(module: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The diffusers attention modules (those with a ``processor``) inside ``module``."""
+    return [(name, sub) for name, sub in module.named_modules() if hasattr(sub, "processor")]
+
+
+def processor_kind(processor) -> str | None:
+    """ "dispatch", the SDPA_PROCESSORS kind, or None for a processor cp_lightning cannot route."""
+    module_globals = sys.modules[type(processor).__module__].__dict__
+    if hasattr(processor, "_parallel_config") and "dispatch_attention_fn" in module_globals:
+        return "dispatch"
+    kind = SDPA_PROCESSORS.get(type(processor).__name__)
+    if kind is not None and type(processor).__module__.startswith("diffusers.") and "F" in module_globals:
+        return kind
+    return None
+
+
+def check_processors(
+    module: nn.Module, ulysses_degree: int, unsplit: tuple[str, ...] = ()
+) -> list[tuple[str, nn.Module]]:
+    """Validate every attention module before any communication; returns those to route.
+
+    ``unsplit``: module paths the plan declares :class:`~cp_lightning.plan.Unsplit`; attention
+    modules inside them keep their processors untouched and are not returned.
+    """
+    found = attention_modules(module)
+    if not found:
+        raise ValueError(f"{type(module).__name__} has no diffusers attention module (none with a `processor`).")
+    routed = []
+    for name, sub in found:
+        if any(name == path or name.startswith(path + ".") or path == "" for path in unsplit):
+            continue
+        processor = sub.processor
+        if processor_kind(processor) is None:
+            raise ValueError(
+                f"attention processor {type(processor).__name__} at {name!r} cannot run over the CP group: it "
+                "neither calls diffusers' dispatch_attention_fn with a `_parallel_config` nor is a stock processor "
+                f"cp_lightning routes ({', '.join(sorted(SDPA_PROCESSORS))}). Give the module the model's own "
+                f"processor before parallelize(), or, if it runs on full unsplit tokens, declare it in the plan: "
+                f'{{"{name}": cp_lightning.Unsplit()}}.'
+            )
+        heads = getattr(sub, "heads", None)
+        if isinstance(heads, int) and heads < ulysses_degree:
+            raise ValueError(
+                f"{name!r} has {heads} attention heads, fewer than the Ulysses degree {ulysses_degree} (each "
+                f"Ulysses rank attends over at least one head); use cp / ring <= {heads}, e.g. a larger ring "
+                f'degree (or, if it runs on full unsplit tokens, declare it: {{"{name}": cp_lightning.Unsplit()}}).'
+            )
+        routed.append((name, sub))
+    return routed
+
+
+def _routed_dispatch(original):
+    signature = inspect.signature(original)
+
+    @functools.wraps(original)
+    def dispatch_attention_fn(*args, **kwargs):
+        config = kwargs.get("parallel_config")
+        if not isinstance(config, ContextParallelAttention):
+            return original(*args, **kwargs)
+        route = _ACTIVE[-1] if _ACTIVE else None
+        if route is not None and not route.cp:
+            return original(*args, **{**kwargs, "parallel_config": None})
+        bound = signature.bind(*args, **kwargs)
+        bound.apply_defaults()
+        a = bound.arguments
+        return config(
+            a["query"],
+            a["key"],
+            a["value"],
+            attn_mask=a["attn_mask"],
+            dropout_p=a["dropout_p"],
+            is_causal=a["is_causal"],
+            scale=a["scale"],
+            enable_gqa=a["enable_gqa"],
+            where=route.name if route is not None else None,
+        )
+
+    dispatch_attention_fn.__cp_lightning_original__ = original
+    return dispatch_attention_fn
+
+
+class _RoutedFunctional:
+    """``torch.nn.functional`` as an SDPA processor's module sees it: SDPA runs CP inside a routed module."""
+
+    def __init__(self, real) -> None:
+        self.__cp_lightning_original__ = real
+
+    def __getattr__(self, name: str):
+        return getattr(self.__cp_lightning_original__, name)
+
+    def scaled_dot_product_attention(
+        self, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False
+    ):
+        route = _ACTIVE[-1] if _ACTIVE else None
+        if route is None or route.kind == "dispatch" or not route.cp:
+            real = self.__cp_lightning_original__.scaled_dot_product_attention
+            return real(
+                query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
+                enable_gqa=enable_gqa,
+            )  # fmt: skip
+        # B, H, S_local, D -> B, S_local, H, D for CP attention and back
+        out = route.config(
+            query.transpose(1, 2),
+            key.transpose(1, 2),
+            value.transpose(1, 2),
+            attn_mask=attn_mask,
+            dropout_p=dropout_p,
+            is_causal=is_causal,
+            scale=scale,
+            enable_gqa=enable_gqa,
+            where=route.name,
+        )
+        return out.transpose(1, 2)
+
+
+def _has_encoder_states(module: nn.Module, args, kwargs) -> bool:
+    if "encoder_hidden_states" in kwargs:
+        return kwargs["encoder_hidden_states"] is not None
+    params = list(inspect.signature(module.forward).parameters)
+    index = params.index("encoder_hidden_states") if "encoder_hidden_states" in params else None
+    return index is not None and index < len(args) and args[index] is not None
+
+
+def route_processors(
+    found: list[tuple[str, nn.Module]], config: ContextParallelAttention, state: SplitState | None = None
+) -> list[Route]:
+    """Route each attention module of ``found`` to ``config`` (see the module doc); returns the routes.
+
+    ``state``: the model's split state; each call then runs CP only between a split and a gather.
+    Without it every call of a routed module runs CP.
+    """
+    routes = []
+    for name, sub in found:
+        processor = sub.processor
+        kind = processor_kind(processor)
+        module_globals = sys.modules[type(processor).__module__].__dict__
+        if kind == "dispatch":
+            dispatch = module_globals["dispatch_attention_fn"]
+            if not hasattr(dispatch, "__cp_lightning_original__"):
+                module_globals["dispatch_attention_fn"] = _routed_dispatch(dispatch)
+            processor._parallel_config = config
+        elif not isinstance(module_globals["F"], _RoutedFunctional):
+            module_globals["F"] = _RoutedFunctional(module_globals["F"])
+        route = Route(name, kind, config)
+
+        def enter(module, args, kwargs, route=route):
+            record = None if state is None else state.record
+            if state is not None and record is not None and not record.closed:  # the forward pass decides
+                route.cp = state.sharded and not (route.kind == "self" and _has_encoder_states(module, args, kwargs))
+            _ACTIVE.append(route)
+
+        def leave(_module, _args, _output, route=route):
+            if _ACTIVE and _ACTIVE[-1] is route:
+                _ACTIVE.pop()
+
+        route.handles = [
+            sub.register_forward_pre_hook(enter, with_kwargs=True),
+            sub.register_forward_hook(leave, always_call=True),
+        ]
+        routes.append(route)
+    return routes
+
+
+def unroute_processors(found: list[tuple[str, nn.Module]]) -> None:
+    """Take our config off the processors (the routes' hooks are removed with the plan's handles)."""
+    for _, sub in found:
+        # Drop the instance attribute so the class default (None: no CP) shows through again.
+        sub.processor.__dict__.pop("_parallel_config", None)
