@@ -118,3 +118,16 @@ def test_fsdp_memory_benchmark_shards_the_training_state(capsys):
     assert rows["fsdp"]["state"] <= 0.27 * rows["ddp"]["state"]  # sharded over world 4
     assert rows["hsdp"]["state"] <= 0.52 * rows["ddp"]["state"]  # sharded over cp = 2, replicated over dp
     assert "| 2 x 2 | fsdp |" in capsys.readouterr().out
+
+
+def test_gather_rule_benchmark_times_every_rule(capsys):
+    from benchmarks import gather_rule
+
+    out = gather_rule.main(["--cps", "2", "--modes", "ulysses", *TINY])
+    rows = {r["rule"]: r for r in out["rows"]}
+    assert set(rows) == {"slice", "proved", "general", "after"}
+    assert all(r["time"] > 0 for r in rows.values()), rows
+    # the free slice sends no reduce-scatter; the general rule sends one gather's worth
+    assert rows["slice"]["reduce_scatter"] == rows["proved"]["reduce_scatter"] == 0, rows
+    assert rows["general"]["reduce_scatter"] > 0 and rows["after"]["reduce_scatter"] > 0, rows
+    assert "| 2 | ulysses | general |" in capsys.readouterr().out

@@ -3,9 +3,10 @@
 SD3.5's stock ``JointAttnProcessor2_0`` (SDPA called directly, dual attention, qk norm) routed by
 ``parallelize`` itself; HunyuanVideo's token refiner (``AttnProcessor2_0``, before the split) found
 unsplit and left local; the same refiner with a processor cp_lightning does not know, refused by name
-and exact once the plan declares it ``Unsplit``; HunyuanVideo-1.5 and Chroma's (B, 1, S, S) outer-product
-masks collapsed to key masks. One spawned group of 4 runs every case at 21 tokens (no CP degree divides
-it): cp=4 Ulysses, ring and USP 2x2, and cp=2 as dp2 x cp2 (dp rank 0 Ulysses, dp rank 1 ring).
+and exact once the plan declares it ``Unsplit``; HunyuanVideo-1.5 and Chroma's (B, 1, S, S)
+outer-product masks collapsed to key masks; CogVideoX's stock processor (cp=4 only). One spawned
+group of 4 runs every case at 21 tokens (no CP degree divides it): cp=4 Ulysses, ring and USP 2x2,
+and cp=2 as dp2 x cp2 (dp rank 0 Ulysses, dp rank 1 ring).
 """
 
 from __future__ import annotations
@@ -83,7 +84,67 @@ def _worker(rank, world):
     except ValueError as err:
         results["refused"] = str(err)
     results["masks"] = _mask_cases(meshes)
+    results["cogvideox"] = {(cp, ring): _cogvideox(meshes[4], ring) for cp, ring in [(4, 1), (4, 4), (4, 2)]}
     return results
+
+
+def _cogvideox(mesh, ring):
+    """CogVideoX's stock CogVideoXAttnProcessor2_0 (joint [text, video] attention, SDPA called directly)."""
+    import copy
+
+    import torch.distributed as dist
+    from diffusers import CogVideoXTransformer3DModel
+    from diffusers.models._modeling_parallel import ContextParallelInput as In
+    from diffusers.models._modeling_parallel import ContextParallelOutput as Out
+
+    from cp_lightning import parallelize, remove
+    from cp_lightning.check import _wake, rel_err
+
+    torch.manual_seed(0)
+    reference = CogVideoXTransformer3DModel(
+        num_attention_heads=4,
+        attention_head_dim=8,
+        in_channels=4,
+        out_channels=4,
+        num_layers=2,
+        sample_width=8,
+        sample_height=6,
+        sample_frames=5,
+        patch_size=2,
+        text_embed_dim=16,
+        time_embed_dim=8,
+        max_text_seq_length=7,
+    )
+    _wake(reference, 100)
+    g = torch.Generator().manual_seed(1)
+    inputs = {  # 2 x 3 x 4 = 24 video tokens and 7 text tokens, split apart at the first block
+        "hidden_states": torch.randn(2, 2, 4, 6, 8, generator=g),
+        "encoder_hidden_states": torch.randn(2, 7, 16, generator=g),
+        "timestep": torch.randint(0, 1000, (2,), generator=g),
+    }
+    plan = {
+        "transformer_blocks.0": {
+            "hidden_states": In(split_dim=1, expected_dims=3),
+            "encoder_hidden_states": In(split_dim=1, expected_dims=3),
+        },
+        "proj_out": Out(gather_dim=1, expected_dims=3),
+    }
+    model = copy.deepcopy(reference)
+    weights = torch.randn(2, 2, 4, 6, 8, generator=g)
+    ref_out = reference(**inputs, return_dict=False)[0]
+    (ref_out * weights).sum().backward()
+    parallelize(model, mesh=mesh, ring=ring, plan=plan)
+    out = model(**inputs, return_dict=False)[0]
+    (out * weights).sum().backward()
+    remove(model)
+    errs = {}
+    for (name, p), ref in zip(model.named_parameters(), reference.parameters(), strict=True):
+        grad = p.grad.clone()
+        dist.all_reduce(grad, group=mesh["cp"].get_group())
+        # a bias on every key shifts all of a query's logits alike: its true gradient is 0, both runs' noise
+        if not name.endswith("norm_k.bias"):
+            errs[name] = rel_err(grad, ref.grad)
+    return {"out_err": (out - ref_out).abs().max().item(), "grad_err": max(errs.values()), "silent": []}
 
 
 def _mask_cases(meshes):
@@ -132,6 +193,9 @@ def results():
                     merged[case][key] = max(merged[case][key], row[key])
     merged["routes"] = per_rank[0]["routes"]
     merged["refused"] = per_rank[0]["refused"]
+    for key in per_rank[0]["cogvideox"]:
+        rows = [r["cogvideox"][key] for r in per_rank]
+        merged[("cogvideox", *key)] = {k: max(row[k] for row in rows) for k in ("out_err", "grad_err")} | {"silent": []}
     merged["masks"] = {ring: max(r["masks"][ring] for r in per_rank) for ring in per_rank[0]["masks"]}
     return merged
 
@@ -153,9 +217,12 @@ def _id(case):
     return f"{name}-cp{cp}-{mode}" + ("-ckpt" if ckpt else "")
 
 
+PARITY += [("cogvideox", 4, ring, False) for ring in (1, 4, 2)]
+
+
 @pytest.mark.parametrize("case", PARITY, ids=[_id(c) for c in PARITY])
 def test_parity(results, case):
-    row = results[case]
+    row = results[case if case[0] != "cogvideox" else case[:3]]
     assert row["out_err"] <= OUT_TOL, row
     assert row["grad_err"] <= GRAD_TOL, row
     assert not row["silent"], row
