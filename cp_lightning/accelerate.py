@@ -181,6 +181,7 @@ class ContextParallel:
                     **{**self.fsdp_options.__dict__, "param_dtype": torch.bfloat16}
                 )
         self._sharded_params: set[int] = set()
+        self._refusing_state_hooks = False
         self.accelerator, self.cp, self.ring = accelerator, cp, ring
         self.plan, self.kernel, self.check_steps = plan, kernel, check_steps
         self.loss_parallel = bool(loss_parallel)
@@ -295,7 +296,53 @@ class ContextParallel:
             model.forward = autocast_forward
         self._sharded_params.update(id(p) for p in model.parameters())
         acc._models.append(model)  # accelerator.accumulate / clip_grad_norm_ / unwrap_model see it
+        if not self._refusing_state_hooks:
+            # accelerator.save_state would write rank 0's shards (and its optimizer shard) as if they were the
+            # whole model: refuse on every rank alike, before anything is written
+            acc.register_save_state_pre_hook(_refuse_sharded_state)
+            acc.register_load_state_pre_hook(_refuse_sharded_state)
+            self._refusing_state_hooks = True
         return model
+
+    def save_state(self, path, *, model: nn.Module, optimizer=None, **extra: Any) -> None:
+        """Save an ``fsdp=True`` model (and optimizer) as a sharded ``torch.distributed.checkpoint`` directory,
+        with each dp rank's RNG state and ``extra`` (rank 0's values) in ``meta.pt``. Every rank calls it.
+        It reshards on :meth:`load_state` at any dp x cp layout (not larger in dp than saved)."""
+        from pathlib import Path
+
+        import torch.distributed as dist
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        path = Path(path)
+        optimizer = getattr(optimizer, "optimizer", optimizer)  # an AcceleratedOptimizer
+        model_state, optim_state = get_state_dict(model, [optimizer] if optimizer is not None else [])
+        state = {"model": model_state, **({"optimizer": optim_state} if optimizer is not None else {})}
+        dcp.save(state, checkpoint_id=str(path))
+        rng = data_parallel.gather_rng_states(self.dp_rank)
+        if dist.get_rank() == 0:
+            torch.save({**extra, "cp_lightning": {"rng_states": rng}}, path / "meta.pt")
+        dist.barrier()
+
+    def load_state(self, path, *, model: nn.Module, optimizer=None) -> dict:
+        """Load what :meth:`save_state` wrote into the prepared model and optimizer (resharding as needed) and
+        restore this dp rank's RNG; returns the ``extra`` values. Every rank calls it."""
+        from pathlib import Path
+
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+        path = Path(path)
+        data_parallel.check_checkpoint_layout(path, model, self.dp_size, prefix="model.")  # no collectives
+        optimizer = getattr(optimizer, "optimizer", optimizer)
+        optimizers = [optimizer] if optimizer is not None else []
+        model_state, optim_state = get_state_dict(model, optimizers)
+        state = {"model": model_state, **({"optimizer": optim_state} if optimizer is not None else {})}
+        dcp.load(state, checkpoint_id=str(path))
+        set_state_dict(model, optimizers, model_state_dict=state["model"], optim_state_dict=state.get("optimizer", {}))
+        meta = torch.load(path / "meta.pt", weights_only=False, map_location="cpu")
+        data_parallel.restore_rng_state(meta.pop("cp_lightning", {}).get("rng_states"), self.dp_rank, self.dp_size)
+        return meta
 
     def _prepare_data_loader(self, loader: DataLoader):
         if self.mesh is None:
@@ -332,6 +379,15 @@ class ContextParallel:
             return gathered
         # dp*cp*n, ... -> dp, cp, n, ... : keep cp rank 0's copy
         return gathered.unflatten(0, (self.dp_size, self.cp, -1))[:, 0].flatten(0, 1)
+
+
+def _refuse_sharded_state(models, *_args) -> None:
+    if any(data_parallel.is_sharded(m) for m in models):
+        raise ValueError(
+            "accelerator.save_state/load_state cannot handle a model cp_lightning sharded with fsdp=True (it would "
+            "save rank 0's shards as the whole model); use cp.save_state(path, model=model, optimizer=optimizer) "
+            "and cp.load_state(path, model=model, optimizer=optimizer), which write sharded checkpoints."
+        )
 
 
 def _sharded_param(model: nn.Module, name: str) -> nn.Parameter:

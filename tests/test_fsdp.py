@@ -249,7 +249,7 @@ def fabric_case(tmp: Path) -> dict:
     }
 
 
-def accelerate_cases() -> dict:
+def accelerate_cases(tmp: Path) -> dict:
     from cp_lightning.accelerate import ContextParallel
     from cp_lightning.data_parallel import full_state_dict
     from tests.test_accelerate import PER_RANK_BATCH, fresh_accelerator, make_task, optimizer, train
@@ -268,6 +268,18 @@ def accelerate_cases() -> dict:
         records = train(accelerator, model, opt, loader, STEPS, clip=clip)
         state = full_state_dict(model)
         out[case] = {"params": numpy_of(state) if dist.get_rank() == 0 else None, "records": records}
+        if case == "sgd":  # sharded save/load through ContextParallel; accelerator.save_state refuses
+            cpx.save_state(tmp / "acc_ckpt", model=model, optimizer=opt, step=STEPS)
+            out["save_state_error"] = error_of(lambda acc=accelerator: acc.save_state(str(tmp / "acc_state")))
+            accelerator = fresh_accelerator()
+            cpx = ContextParallel(accelerator, cp=2, seed=0, fsdp=True)
+            fresh, fresh_opt = make_task(), None
+            torch.manual_seed(1)
+            fresh_opt = optimizer(kind, fresh.parameters())
+            fresh, fresh_opt = cpx.prepare(fresh, fresh_opt)
+            out["loaded_extra"] = cpx.load_state(tmp / "acc_ckpt", model=fresh, optimizer=fresh_opt)
+            loaded = full_state_dict(fresh)
+            out["loaded"] = numpy_of(loaded) if dist.get_rank() == 0 else None
     accelerator = fresh_accelerator()
     cpx = ContextParallel(accelerator, cp=2, fsdp=True)
     model = make_task()
@@ -284,7 +296,7 @@ def worker(rank, world, tmp):
         "lightning": lightning_cases(tmp),
         "plain_ddp": plain_ddp_adamw(rank),
         "fabric": fabric_case(tmp),
-        "accelerate": accelerate_cases(),
+        "accelerate": accelerate_cases(tmp),
     }
 
 
@@ -404,6 +416,15 @@ def test_accelerate_matches_one_process(results):
     print(f"fsdp Accelerate dp2 x cp2 SGD: max relative parameter error {err:.2e}")
     assert param_rel_err(start, ref) > 100 * SGD_TOL
     assert err <= SGD_TOL, err
+
+
+def test_accelerate_sharded_save_and_load_state(results):
+    accel = results[0]["accelerate"]
+    assert accel["loaded_extra"] == {"step": STEPS}
+    assert param_rel_err(tensors_of(accel["loaded"]), tensors_of(accel["sgd"]["params"])) == 0.0
+    for r in results:  # accelerator.save_state would write rank 0's shards as the model: refused on every rank
+        got = r["accelerate"]["save_state_error"]
+        assert got is not None and "use cp.save_state(path, model=model, optimizer=optimizer)" in got, got
 
 
 def test_accelerate_hsdp_adamw_clip_grad_norm_returns_the_one_process_norm(results):
