@@ -19,23 +19,7 @@ from cp_lightning.check import GRAD_TOL, OUT_TOL
 from cp_lightning.models import CASES
 from tests.distributed import spawn
 
-# cases whose plan needs an engine feature that has not landed yet (issue 13's engine half)
-PENDING = {
-    # the token refiner / text blocks keep their own processors (engine feature 2)
-    "hunyuanvideo": "unsplit modules",
-    "kandinsky5": "unsplit modules",  # its text blocks routed through ring today: 1.75e-4 on to_key.bias
-    # outer-product masks collapsed to key masks (engine feature 3)
-    "hunyuanvideo-1.5": "outer-product masks",
-    "chroma": "outer-product masks",
-    # CP-aware copies of SDPA-direct processors (engine feature 4)
-    "sd3": "SDPA-direct processors",
-    "sd3.5": "SDPA-direct processors",
-}
-NAMES = (
-    sorted(set(CASES) - set(PENDING))
-    if not os.environ.get("CP_LIBRARY_CASES")
-    else os.environ["CP_LIBRARY_CASES"].split(",")
-)
+NAMES = sorted(CASES) if not os.environ.get("CP_LIBRARY_CASES") else os.environ["CP_LIBRARY_CASES"].split(",")
 TOKENS = 21  # neither 2 nor 4 divides it
 LAYOUTS = [(2, 1), (2, 2), (4, 1), (4, 4), (4, 2)]  # (cp, ring): Ulysses, ring, Ulysses, ring, USP 2x2
 PARITY = [(name, cp, ring, ckpt) for name in NAMES for cp, ring in LAYOUTS for ckpt in (False, True)]
