@@ -12,6 +12,7 @@ loop is Accelerate's. Writes ``loss.csv``/``loss.png``, ``lora/pytorch_lora_weig
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 from types import SimpleNamespace
 
 from accelerate import Accelerator
@@ -20,10 +21,12 @@ from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
 from cp_lightning.accelerate import ContextParallel
-from recipes.callbacks import ExportFlux, LossCurve
+from recipes.callbacks import Export, LossCurve
+from recipes.components import load_pipeline
 from recipes.data import FluxData
 from recipes.finetune import flow_matching_loss
 from recipes.flux import FluxFineTune
+from recipes.sampling import SampleFlux, render_grid
 
 
 class FluxLoRA(FluxFineTune):
@@ -140,7 +143,10 @@ def main(args=None) -> list[tuple[int, float]]:
         curve = LossCurve(args.output_dir)
         curve.rows = rows
         curve.on_train_end(rank_zero, module)
-        ExportFlux(args.output_dir, resolution=args.resolution).on_train_end(rank_zero, module)  # LoRA + samples
+        Export(args.output_dir).export(module, step=step, epoch=epoch)  # the LoRA, diffusers format
+        pipeline = load_pipeline("flux", args.pretrained, args.cache_dir)
+        pipeline.load_lora_weights(f"{args.output_dir}/lora")
+        render_grid(SampleFlux(resolution=args.resolution), pipeline, Path(args.output_dir) / "samples.png")
     accelerator.wait_for_everyone()
     accelerator.end_training()
     return rows

@@ -6,7 +6,6 @@ import csv
 from pathlib import Path
 
 import lightning as L
-import torch
 
 
 class LossCurve(L.Callback):
@@ -45,110 +44,33 @@ class LossCurve(L.Callback):
 
 
 class Export(L.Callback):
-    """On rank 0 at the end of training: save the LoRA weights in the diffusers format (or the full
-    transformer), then render ``samples.png`` with the family's real diffusers pipeline loaded from
-    those files (one row per prompt; a video row shows its frames)."""
+    """At the end of training: the LoRA weights in ``<out_dir>/lora`` (diffusers format by default,
+    ``format: comfyui`` for ComfyUI's), with training metadata in the safetensors header, and the EMA of
+    the LoRA beside it in ``lora_ema`` when the module keeps one; with ``lora_rank: 0`` the whole
+    transformer in ``<out_dir>/transformer`` (``from_pretrained`` layout). Every rank takes part (FSDP
+    shards are gathered); rank 0 writes.
 
-    family = ""
+    Args:
+        out_dir: the run's folder.
+        format: ``diffusers`` (``pipeline.load_lora_weights``) or ``comfyui``.
+    """
 
-    def __init__(
-        self,
-        out_dir: str = "outputs/run",
-        prompts: list[str] | None = None,
-        resolution: int = 32,
-        width: int | None = None,
-        num_inference_steps: int = 8,
-        max_sequence_length: int = 32,
-        num_frames: int = 1,
-        seed: int = 0,
-    ):
-        self.out_dir = Path(out_dir)
-        self.prompts = prompts or ["a red circle", "a blue square", "a green triangle", "a yellow circle"]
-        self.height, self.width = resolution, width or resolution
-        self.steps, self.max_sequence_length, self.num_frames, self.seed = (
-            num_inference_steps,
-            max_sequence_length,
-            num_frames,
-            seed,
-        )
+    def __init__(self, out_dir: str = "outputs/run", format: str = "diffusers"):
+        from recipes import lora
+
+        if format not in lora.FORMATS:
+            raise ValueError(f"export format must be one of {lora.FORMATS}, got {format!r}.")
+        self.out_dir, self.format = Path(out_dir), format
 
     def on_train_end(self, trainer, pl_module):
-        from cp_lightning.data_parallel import full_state_dict, lora_state_dict, write_pretrained
+        self.export(pl_module, step=trainer.global_step, epoch=trainer.current_epoch)
 
-        h = pl_module.hparams
-        # consolidated on every rank (a collective when the model is FSDP-sharded); rank 0 writes and renders
-        state = (lora_state_dict if h.lora_rank else full_state_dict)(pl_module.transformer)
-        if not trainer.is_global_zero:
-            return
-        from recipes.components import load_pipeline
+    def export(self, pl_module, *, step: int, epoch: int) -> None:
+        """Every rank calls it (a collective when the model is sharded)."""
+        from cp_lightning.data_parallel import export_pretrained
+        from recipes import lora
 
-        self.out_dir.mkdir(parents=True, exist_ok=True)
-        pipeline = load_pipeline(self.family, h.pretrained, h.cache_dir)
-        if h.lora_rank:
-            lora_dir = self.out_dir / "lora"
-            type(pipeline).save_lora_weights(lora_dir, transformer_lora_layers=state, safe_serialization=True)
-            pipeline.load_lora_weights(lora_dir)
+        if pl_module.hparams.lora_rank:
+            lora.export(pl_module, self.out_dir / "lora", fmt=self.format, step=step, epoch=epoch)
         else:
-            write_pretrained(pl_module.transformer, state, self.out_dir / "transformer")
-            pipeline.transformer.load_state_dict(state)
-        with torch.no_grad():
-            rows = self.render(pipeline)
-        save_grid(rows, self.prompts, self.out_dir / "samples.png")
-
-    def render(self, pipeline) -> list[list]:
-        raise NotImplementedError
-
-
-class ExportFlux(Export):
-    __doc__ = Export.__doc__
-    family = "flux"
-
-    def render(self, pipeline):
-        generator = torch.Generator().manual_seed(self.seed)
-        guidance = 3.5 if pipeline.transformer.config.guidance_embeds else 1.0
-        images = pipeline(
-            self.prompts,
-            height=self.height,
-            width=self.width,
-            num_inference_steps=self.steps,
-            guidance_scale=guidance,
-            max_sequence_length=self.max_sequence_length,
-            generator=generator,
-        ).images
-        return [[image] for image in images]
-
-
-class ExportWan(Export):
-    __doc__ = Export.__doc__
-    family = "wan"
-
-    def render(self, pipeline):
-        generator = torch.Generator().manual_seed(self.seed)
-        videos = pipeline(
-            self.prompts,
-            height=self.height,
-            width=self.width,
-            num_frames=self.num_frames,
-            num_inference_steps=self.steps,
-            guidance_scale=1.0,
-            max_sequence_length=self.max_sequence_length,
-            generator=generator,
-            output_type="pil",
-        ).frames
-        return [list(frames) for frames in videos]
-
-
-def save_grid(rows, captions, path: Path, scale: int = 4) -> None:
-    """One row per caption: its images (or video frames) side by side, the caption underneath."""
-    from PIL import Image, ImageDraw
-
-    w, h = rows[0][0].size
-    columns = max(len(row) for row in rows)
-    cell_w, cell_h = w * scale, h * scale + 14
-    grid = Image.new("RGB", (cell_w * columns, cell_h * len(rows)), "white")
-    draw = ImageDraw.Draw(grid)
-    for r, (row, caption) in enumerate(zip(rows, captions, strict=True)):
-        for c, image in enumerate(row):
-            grid.paste(image.resize((w * scale, h * scale), Image.NEAREST), (c * cell_w, r * cell_h))
-        draw.text((2, r * cell_h + h * scale + 1), caption, fill="black")
-    grid.save(path)
+            export_pretrained(pl_module.transformer, self.out_dir / "transformer")

@@ -9,6 +9,15 @@ error that says what to do, before any weight is loaded.
 
 from __future__ import annotations
 
+import shutil
+from pathlib import Path
+
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+from torch.utils.data import DataLoader
+
+from recipes import lora
+
 
 def check_identity(saved: dict | None, current: dict, state_dict: dict) -> None:
     """Raise ValueError when a checkpoint cannot resume this run exactly."""
@@ -41,3 +50,116 @@ def check_identity(saved: dict | None, current: dict, state_dict: dict) -> None:
             f"states depend on dp: resume with devices x num_nodes = {saved['dp']} x cp, or start a fresh run "
             "(the LoRA export beside the checkpoint can seed it). Changing cp alone is fine."
         )
+
+
+class _SkipBatches(torch.utils.data.Sampler):
+    """A batch sampler that skips the first ``skip`` batches of its next pass (indices only, no data read)."""
+
+    def __init__(self, batch_sampler):
+        self.batch_sampler, self.skip = batch_sampler, 0
+
+    def set_epoch(self, epoch: int) -> None:  # Lightning sets the epoch through the loader's batch sampler
+        self.batch_sampler.set_epoch(epoch)
+
+    def __iter__(self):
+        batches, skip = iter(self.batch_sampler), self.skip
+        self.skip = 0
+        for _ in range(skip):
+            next(batches, None)
+        yield from batches
+
+    def __len__(self) -> int:
+        return len(self.batch_sampler)
+
+
+class ResumableLoader(DataLoader):
+    """A DataLoader whose position Lightning checkpoints (its ``state_dict``): the epoch and the batches the
+    training loop has consumed in it. A resumed run sets the batch sampler's epoch and skips those
+    batches, so it sees exactly the batches the uninterrupted run would have seen.
+
+    The position comes from the Trainer's loop, not from counting batches handed out: the loop and the
+    loader's workers fetch ahead. ``batch_sampler`` needs ``set_epoch`` (it shuffles per epoch).
+    """
+
+    def __init__(self, dataset, *, batch_sampler, trainer=None, **kwargs):
+        super().__init__(dataset, batch_sampler=_SkipBatches(batch_sampler), **kwargs)
+        self.trainer = trainer
+
+    def state_dict(self) -> dict:
+        if self.trainer is None:
+            return {}
+        progress = self.trainer.fit_loop.epoch_loop.batch_progress.current
+        return {"epoch": self.trainer.current_epoch, "batches": progress.processed}
+
+    def load_state_dict(self, state: dict) -> None:
+        if not state:
+            return
+        epoch, batches = state["epoch"], state["batches"]
+        if batches >= len(self.batch_sampler):  # saved at the end of an epoch: the next one starts afresh
+            epoch, batches = epoch + 1, 0
+        # Lightning creates the resumed epoch's iterator before it sets the sampler's epoch: set it here
+        self.batch_sampler.set_epoch(epoch)
+        self.batch_sampler.skip = batches
+
+
+class LightCheckpoint(ModelCheckpoint):
+    """Every ``every_n_steps`` optimizer steps: ``<out_dir>/checkpoints/step_<N>.ckpt`` with the trainable
+    parameters, optimizer, scheduler, loop progress, data order and RNG states (the module leaves the frozen
+    base out), the LoRA export beside it in ``step_<N>_lora/``, the last ``keep_last`` of both kept, and
+    ``last.ckpt`` (a link to the newest) for ``--ckpt_path last``.
+
+    Args:
+        out_dir: the run's folder.
+        every_n_steps: checkpoint period in optimizer steps; 0 writes no checkpoints.
+        keep_last: how many checkpoints to keep (the newest).
+        export_format: format of the LoRA export beside each checkpoint (``diffusers`` or ``comfyui``).
+    """
+
+    def __init__(
+        self,
+        out_dir: str = "outputs/run",
+        *,
+        every_n_steps: int = 0,
+        keep_last: int = 2,
+        export_format: str = "diffusers",
+    ):
+        if every_n_steps < 0 or keep_last < 1:
+            raise ValueError(f"need every_n_steps >= 0 and keep_last >= 1, got {every_n_steps} and {keep_last}.")
+        if export_format not in lora.FORMATS:
+            raise ValueError(f"export_format must be one of {lora.FORMATS}, got {export_format!r}.")
+        super().__init__(
+            dirpath=Path(out_dir) / "checkpoints",
+            filename="step_{step}",
+            auto_insert_metric_name=False,
+            monitor="step",  # the highest steps are the newest: top-k by step keeps the last k
+            mode="max",
+            save_top_k=keep_last if every_n_steps else 0,
+            save_last="link" if every_n_steps else False,
+            every_n_train_steps=every_n_steps,
+            every_n_epochs=0,
+            save_on_train_epoch_end=False,
+        )
+        self.export_format = export_format
+
+    def _save_checkpoint(self, trainer, filepath: str) -> None:
+        super()._save_checkpoint(trainer, filepath)
+        module = trainer.lightning_module
+        if module.hparams.lora_rank:  # every rank: the export gathers FSDP shards, rank 0 writes
+            lora.export(
+                module,
+                _lora_dir(filepath),
+                fmt=self.export_format,
+                step=trainer.global_step,
+                epoch=trainer.current_epoch,
+            )
+
+    def _remove_checkpoint(self, trainer, filepath: str) -> None:
+        super()._remove_checkpoint(trainer, filepath)
+        if trainer.is_global_zero:
+            for folder in (_lora_dir(filepath), Path(str(_lora_dir(filepath)) + "_ema")):
+                shutil.rmtree(folder, ignore_errors=True)
+
+
+def _lora_dir(checkpoint: str) -> Path:
+    path = Path(checkpoint)
+    return path.with_name(path.stem + "_lora")

@@ -2,7 +2,8 @@
 
 ``load_pipeline(family, "tiny", cache_dir)`` builds a tiny pipeline of that family (Flux: transformer,
 VAE, CLIP and T5 text encoders; Wan: transformer, Wan VAE, UMT5 encoder; both with ByT5's byte
-tokenizer, which needs no vocabulary download) once, with a fixed seed, saves it under ``cache_dir``
+tokenizer, which needs no vocabulary download) once, with a fixed seed (the Flux VAE fitted to the synthetic
+shapes, recipes/tiny_vae.py), saves it under ``cache_dir``
 and loads it back with ``from_pretrained``: the recipes take one code path for tiny and real checkpoints.
 """
 
@@ -19,6 +20,8 @@ TOKEN_LENGTH = 32  # text tokens of the tiny pipeline
 def build_tiny_pipeline(seed: int = 0):
     from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
     from transformers import ByT5Tokenizer, CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel
+
+    from recipes.tiny_vae import fit_tiny_vae
 
     with torch.random.fork_rng():
         torch.manual_seed(seed)
@@ -51,6 +54,7 @@ def build_tiny_pipeline(seed: int = 0):
             shift_factor=0.0,
             scaling_factor=1.0,
         )
+        fit_tiny_vae(vae)  # reconstructs the synthetic shapes, so samples show what the transformer learns
         transformer = FluxTransformer2DModel(
             patch_size=1,
             in_channels=16,

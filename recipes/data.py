@@ -44,6 +44,7 @@ from recipes.cache import (
     wan_encoder,
     write_index,
 )
+from recipes.checkpoints import ResumableLoader
 from recipes.media import ProbeCache, find_sources
 
 COLOURS = {"red": (220, 40, 40), "green": (40, 180, 60), "blue": (40, 80, 220), "yellow": (230, 210, 40)}
@@ -292,7 +293,7 @@ class EncodedData(L.LightningDataModule):
             from recipes.components import load_pipeline
 
             dtype = getattr(torch, h.encode_dtype)
-            pipeline = load_pipeline(self.family, h.pretrained, h.cache_dir, torch_dtype=dtype)
+            pipeline = load_pipeline(self.family, h.pretrained, h.cache_dir, dtype=dtype)
             device = self.trainer.strategy.root_device if self.trainer is not None else torch.device("cpu")
             pipeline.to(device)  # each rank encodes its share on its own device
             if h.vae_tiling:
@@ -327,7 +328,8 @@ class EncodedData(L.LightningDataModule):
                 f"{sum(r['batches'] for r in self.table)} full batches of {self.hparams.batch_size} per epoch cannot "
                 f"give each of {kwargs['num_replicas']} data-parallel ranks one: add data or lower batch_size."
             )
-        return DataLoader(self.dataset, batch_sampler=sampler)
+        # resumable: a checkpoint records the position in the epoch (recipes/checkpoints.py)
+        return ResumableLoader(self.dataset, batch_sampler=sampler, trainer=trainer)
 
     def _add_memory_estimate(self) -> None:
         """Adds ``est_gib_per_gpu`` to the table: the transformer's weights, trainable state, activations."""

@@ -16,6 +16,9 @@ from lightning.pytorch.cli import LightningCLI
 from cp_lightning import loss_shard
 from recipes import training
 from recipes.components import load_transformer
+from recipes.console import quiet
+
+quiet()
 
 
 def prepare_for_training(transformer, lora_rank: int, targets: list[str], seed: int, checkpointing: bool):
@@ -35,7 +38,7 @@ def prepare_for_training(transformer, lora_rank: int, targets: list[str], seed: 
             p.data = p.data.float()  # trainable weights (and so their AdamW state) in fp32
     if checkpointing:
         transformer.enable_gradient_checkpointing()
-    return transformer
+    return transformer.train()  # from_pretrained returns eval mode; training runs every module in train mode
 
 
 def flow_matching_loss(pred, target, transformer, step: int, weights: torch.Tensor | None = None) -> torch.Tensor:
@@ -59,7 +62,9 @@ class FlowMatchingFineTune(L.LightningModule):
     Args:
         pretrained: ``tiny`` (the embedded tiny model) or a checkpoint path / hub id.
         cache_dir: where the tiny pipeline is built.
-        lora_rank: LoRA rank on the attention projections; 0 fine-tunes every weight.
+        lora_rank: LoRA rank; 0 fine-tunes every weight.
+        lora_targets: module names LoRA adapts (peft's ``target_modules``); by default the family's attention
+            projections.
         learning_rate: AdamW peak learning rate.
         lr_scheduler: ``constant``, ``cosine`` (to 0 at max_steps) or ``linear`` (to 0 at max_steps).
         warmup_steps: linear warm-up from 0 over this many optimizer steps.
@@ -86,6 +91,7 @@ class FlowMatchingFineTune(L.LightningModule):
         *,
         cache_dir: str = "outputs/cache",
         lora_rank: int = 4,
+        lora_targets: list[str] | None = None,
         learning_rate: float = 1e-3,
         lr_scheduler: str = "constant",
         warmup_steps: int = 0,
@@ -123,11 +129,10 @@ class FlowMatchingFineTune(L.LightningModule):
         h = self.hparams
         dtype = getattr(torch, h.weights_dtype)
         transformer = load_transformer(
-            self.family, h.pretrained, h.cache_dir, torch_dtype=dtype, subfolder=self.transformer_subfolder
+            self.family, h.pretrained, h.cache_dir, dtype=dtype, subfolder=self.transformer_subfolder
         )
-        self.transformer = prepare_for_training(
-            transformer, h.lora_rank, self.lora_targets, h.seed, h.gradient_checkpointing
-        )
+        targets = list(h.lora_targets or self.lora_targets)
+        self.transformer = prepare_for_training(transformer, h.lora_rank, targets, h.seed, h.gradient_checkpointing)
         if h.ema_decay:
             self.ema = training.TrainableEMA(self.trainable_parameters(), h.ema_decay)
 
@@ -166,7 +171,10 @@ class FlowMatchingFineTune(L.LightningModule):
         self.log("train_t", t.float().mean(), sync_dist=True)  # the drawn times, layout-independent
         return loss
 
-    def on_train_batch_end(self, outputs, batch, batch_idx) -> None:
+    def optimizer_step(self, *args, **kwargs) -> None:
+        super().optimizer_step(*args, **kwargs)
+        # here, not in on_train_batch_end: checkpoint callbacks run before the module's batch-end hook,
+        # and a checkpoint must hold the EMA of the step it records
         if self.ema is not None:
             self.ema.update()
 
@@ -202,7 +210,7 @@ class FlowMatchingFineTune(L.LightningModule):
     def checkpoint_identity(self) -> dict:
         """What a checkpoint must agree on to resume this run."""
         strategy = self.trainer.strategy
-        dp = getattr(strategy, "dp_size", None) or strategy.world_size
+        dp = getattr(strategy, "dp_size", None) or getattr(strategy, "world_size", 1)
         h = self.hparams
         return {
             "family": self.family,
@@ -215,14 +223,34 @@ class FlowMatchingFineTune(L.LightningModule):
 
 
 class RecipeCLI(LightningCLI):
-    """LightningCLI that checks the schedule against the run's length before any process starts."""
+    """LightningCLI plus the recipe's own sections, all writing under one ``out_dir``:
+
+    ``samples`` (validation samples, :mod:`recipes.sampling`), ``checkpoint`` (light checkpoints,
+    :mod:`recipes.checkpoints`), ``export`` (the final LoRA, ``--export.format comfyui``) and
+    ``loss_curve``. It checks the schedule against the run's length before any process starts.
+    """
+
+    def add_arguments_to_parser(self, parser) -> None:
+        from recipes.callbacks import Export, LossCurve
+        from recipes.checkpoints import LightCheckpoint
+        from recipes.sampling import SAMPLERS
+
+        parser.add_argument("--out_dir", type=str, default="outputs/run", help="the run's folder")
+        sections = {
+            "samples": SAMPLERS[self.model_class.family],
+            "checkpoint": LightCheckpoint,
+            "export": Export,
+            "loss_curve": LossCurve,
+        }
+        for key, callback in sections.items():
+            parser.add_lightning_class_args(callback, key)
+            parser.link_arguments("out_dir", f"{key}.out_dir")
 
     def before_fit(self) -> None:
         h = self.model.hparams
         training.check_schedule(h.lr_scheduler, h.warmup_steps, self.trainer.max_steps)
 
 
-def cli(module_class, data_class, args=None) -> LightningCLI:
-    return RecipeCLI(
-        module_class, data_class, seed_everything_default=0, save_config_kwargs={"overwrite": True}, args=args
-    )
+def cli(module_class, data_class, args=None, **kwargs) -> LightningCLI:
+    kwargs = {"seed_everything_default": 0, "save_config_kwargs": {"overwrite": True}, **kwargs}
+    return RecipeCLI(module_class, data_class, args=args, **kwargs)

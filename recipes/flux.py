@@ -29,7 +29,7 @@ class FluxFineTune(FlowMatchingFineTune):
 
     def __init__(self, pretrained: str = "tiny", *, guidance_scale: float = 1.0, **kwargs):
         super().__init__(pretrained, **kwargs)
-        self.save_hyperparameters()
+        self.hparams.update(guidance_scale=guidance_scale)  # kwargs pass through untouched (LightningCLI reads them)
 
     def image_tokens(self, x0):
         return (x0.shape[-2] // 2) * (x0.shape[-1] // 2)  # 2x2 packed latent patches

@@ -140,6 +140,12 @@ class TrainableEMA:
     def state_dict(self) -> dict[str, torch.Tensor]:
         return dict(zip(self.names, self.shadow, strict=True))
 
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The EMA with FSDP-sharded tensors gathered (a collective then: every rank calls it), on CPU."""
+        from torch.distributed.tensor import DTensor
+
+        return {n: (t.full_tensor() if isinstance(t, DTensor) else t).cpu() for n, t in self.state_dict().items()}
+
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         if sorted(state) != sorted(self.names):
             raise ValueError("the checkpoint's EMA holds other parameters than this model trains (another LoRA?).")

@@ -12,12 +12,42 @@ from __future__ import annotations
 from recipes.data import WanData
 from recipes.finetune import FlowMatchingFineTune, cli
 
+EXPERTS = {"high_noise": "transformer", "low_noise": "transformer_2"}
+
 
 class WanFineTune(FlowMatchingFineTune):
-    __doc__ = "Flow-matching fine-tuning of a ``WanTransformer3DModel``.\n" + FlowMatchingFineTune.__doc__
+    """Flow-matching fine-tuning of a ``WanTransformer3DModel`` (see FlowMatchingFineTune for the shared
+    arguments).
+
+    Args:
+        expert: for Wan2.2 A14B, which of its two experts to train: ``high_noise`` (``transformer``, used for
+            t >= boundary_ratio) or ``low_noise`` (``transformer_2``, t < boundary_ratio). The training times
+            are mapped into that expert's range; train one run per expert. None for single-model Wan.
+        boundary_ratio: the experts' boundary (Wan2.2 A14B T2V: 0.875, the pipeline's ``boundary_ratio``).
+    """
 
     family = "wan"
     lora_targets = ["to_q", "to_k", "to_v", "to_out.0"]
+
+    def __init__(self, pretrained: str = "tiny", *, expert: str | None = None, boundary_ratio: float = 0.875, **kwargs):
+        # (kwargs pass through untouched: LightningCLI reads the shared arguments from this call)
+        super().__init__(pretrained, **kwargs)
+        self.hparams.update(expert=expert, boundary_ratio=boundary_ratio)
+        self.transformer_subfolder = EXPERTS.get(expert, "transformer")
+        if expert is None:
+            return
+        if expert not in EXPERTS:
+            raise ValueError(f"expert must be one of {sorted(EXPERTS)} (Wan2.2 A14B) or None, got {expert!r}.")
+        if not 0.0 < boundary_ratio < 1.0:
+            raise ValueError(f"boundary_ratio must be in (0, 1), got {boundary_ratio}.")
+        low, high = (boundary_ratio, 1.0) if expert == "high_noise" else (0.0, boundary_ratio)
+        h = self.hparams
+        if (h.min_timestep, h.max_timestep) not in ((0.0, 1.0), (low, high)):
+            raise ValueError(
+                f"expert={expert!r} trains on t in [{low}, {high}] (boundary_ratio={boundary_ratio}); "
+                "drop min_timestep/max_timestep, or set boundary_ratio."
+            )
+        h.update(min_timestep=low, max_timestep=high)
 
     def image_tokens(self, x0):
         return x0.shape[-3] * (x0.shape[-2] // 2) * (x0.shape[-1] // 2)  # frames x 2x2 patches

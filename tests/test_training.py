@@ -109,3 +109,25 @@ def test_ema_tracks_trainable_parameters_only():
     assert torch.allclose(ema.state_dict()["1.weight"], start + 1.0)
     with pytest.raises(ValueError, match="ema_decay must be in"):
         training.TrainableEMA(named, decay=1.0)
+
+
+def test_wan22_a14b_experts_train_on_their_side_of_the_boundary():
+    from recipes.wan import WanFineTune
+
+    high, low = WanFineTune(expert="high_noise"), WanFineTune(expert="low_noise", boundary_ratio=0.9)
+    assert (high.hparams.min_timestep, high.hparams.max_timestep, high.transformer_subfolder) == (
+        0.875,
+        1.0,
+        "transformer",
+    )
+    assert (low.hparams.min_timestep, low.hparams.max_timestep, low.transformer_subfolder) == (
+        0.0,
+        0.9,
+        "transformer_2",
+    )
+    _, t = low.noise_and_t(torch.zeros(32, 4, 1, 2, 2), torch.arange(32))
+    assert float(t.max()) <= 0.9
+    with pytest.raises(ValueError, match="expert must be one of"):
+        WanFineTune(expert="both")
+    with pytest.raises(ValueError, match=r"trains on t in \[0.875, 1.0\]"):
+        WanFineTune(expert="high_noise", max_timestep=0.5)

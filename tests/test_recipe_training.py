@@ -1,0 +1,215 @@
+"""Recipe training features at cp=2: samples rendered with CP, light checkpoints and exact resume, EMA,
+ComfyUI export and conversion, and the errors for checkpoints that cannot resume a run.
+
+One module-scoped set of tiny runs serves several tests: a straight 6-step Flux run and the same run
+stopped after 3 steps and resumed from ``last``. The Wan recipe's samples and ComfyUI export are checked
+in tests/test_recipes.py, on its one run.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import lightning as L
+import numpy as np
+import pytest
+import torch
+
+from tests.distributed import spawn
+from tests.test_recipes import ROOT, losses, run_recipe
+
+COMMON = (
+    "--trainer.max_steps=6",
+    "--samples.every_n_steps=2",
+    "--samples.num_inference_steps=2",
+    "--checkpoint.every_n_steps=3",
+    "--model.lr_scheduler=cosine",
+    "--model.warmup_steps=2",
+    "--model.ema_decay=0.9",
+)
+
+
+class StopAt(L.Callback):
+    """Stops training after ``step`` optimizer steps, as an interrupted job would."""
+
+    def __init__(self, step: int):
+        self.step = step
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if trainer.global_step >= self.step:
+            trainer.should_stop = True
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("training")
+    straight = run_recipe(tmp, "straight", *COMMON)
+    stop = json.dumps({"class_path": f"{__name__}.StopAt", "init_args": {"step": 3}})
+    first = losses(run_recipe(tmp, "resumed", *COMMON, f"--trainer.callbacks+={stop}"))
+    resumed = run_recipe(tmp, "resumed", *COMMON, "--ckpt_path=last", "--export.format=comfyui")
+    return {"tmp": tmp, "straight": straight, "resumed": resumed, "first": first}
+
+
+def _pipeline(tmp: Path, family: str = "flux"):
+    from recipes.components import load_pipeline
+
+    pipe = load_pipeline(family, "tiny", tmp / "cache")
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def _render(pipe, family: str = "flux", prompt_index: int = 0, steps: int = 2) -> np.ndarray:
+    from recipes.sampling import SAMPLERS
+
+    # Flux: the tiny config's guidance 1.0; Wan: the default classifier-free guidance 5.0
+    extra = {"num_frames": 4, "prompts": ["a red circle moving right"]} if family == "wan" else {"guidance_scale": 1.0}
+    sampler = SAMPLERS[family](num_inference_steps=steps, **extra)
+    with torch.no_grad():
+        return sampler.render(pipe, sampler.encode(pipe, sampler.prompts[prompt_index]), sampler.seed + prompt_index)
+
+
+def test_samples_at_steps_0_2_4_exist_and_are_logged(runs):
+    run = runs["straight"]
+    for step in (0, 2, 4, 6):
+        assert (run / "samples" / f"step_{step}.png").stat().st_size > 0
+        assert (run / "logs" / "version_0" / "samples" / f"step_{step}.png").exists()  # the CSV logger's folder
+    assert (run / "samples.png").exists()  # every sampled step side by side
+
+
+def test_the_step0_sample_rendered_with_cp_is_the_one_process_sample(runs):
+    from PIL import Image
+
+    grid = np.asarray(Image.open(runs["straight"] / "samples" / "step_0.png").convert("RGB")).astype(int)
+    pipe = _pipeline(runs["tmp"])  # the LoRA starts as a zero update: step 0 is the base model
+    for i in range(4):
+        one = (np.clip(_render(pipe, prompt_index=i)[0], 0, 1) * 255).round().astype(int)  # H, W, 3
+        row = grid[i * (32 * 4 + 14) : i * (32 * 4 + 14) + 32 * 4 : 4, : 32 * 4 : 4]
+        assert np.abs(row - one).max() <= 1, i  # 8-bit PNG: at most one level of rounding
+
+
+def _cp_render(rank, world, cache):
+    """Flux and Wan samples of a perturbed tiny base (all layers matter), at cp=world."""
+    from cp_lightning import build_mesh, parallelize
+    from recipes.components import load_pipeline
+
+    out = {}
+    for family in ("flux", "wan"):
+        pipe = load_pipeline(family, "tiny", cache)
+        pipe.set_progress_bar_config(disable=True)
+        with torch.no_grad():
+            for p in pipe.transformer.parameters():
+                p.add_(0.02 * torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())))
+        if world > 1:
+            parallelize(pipe.transformer, mesh=build_mesh(cp=world))
+        out[family] = _render(pipe, family, steps=3)
+    return out
+
+
+def test_a_cp_rendered_sample_equals_the_one_process_sample(runs):
+    from recipes.components import resolve_pretrained
+
+    cache = runs["tmp"] / "cache"
+    resolve_pretrained("wan", "tiny", cache)
+    results = spawn(_cp_render, 2, cache)
+    single = _cp_render(0, 1, cache)
+    for family in ("flux", "wan"):  # Wan: classifier-free guidance 5.0, two transformer passes per step
+        for sample in results:
+            np.testing.assert_allclose(sample[family], single[family], atol=1e-5)
+
+
+def test_resume_from_last_is_exact_and_checkpoints_are_light(runs):
+    straight, resumed = losses(runs["straight"]), losses(runs["resumed"])
+    assert runs["first"] == straight[:3]
+    assert len(resumed) == 3  # steps 4-6, after the checkpoint of step 3
+    assert resumed == pytest.approx(straight[3:], abs=1e-6)
+    from recipes import lora
+
+    a, _ = lora.read(runs["straight"] / "lora_ema" / lora.WEIGHT_NAME)
+    b, meta = lora.read(runs["resumed"] / "lora_ema" / lora.COMFYUI_NAME)  # the resumed part exports for ComfyUI
+    b = lora.to_diffusers(b, "flux")
+    assert sorted(a) == sorted(b) and all(torch.allclose(a[k], b[k], atol=1e-6) for k in a)  # the EMA resumed too
+    raw, _ = lora.read(runs["straight"] / "lora" / lora.WEIGHT_NAME)
+    assert any(not torch.equal(raw[k], b[k]) for k in raw) and meta["cp_lightning.ema_decay"] == "0.9"
+    trainable_bytes = sum(v.numel() for v in raw.values()) * 4
+    checkpoint = runs["straight"] / "checkpoints" / "step_6.ckpt"
+    assert checkpoint.stat().st_size <= 2 * 3 * trainable_bytes  # parameters + AdamW's two moments
+    assert (runs["straight"] / "checkpoints" / "step_6_lora" / lora.WEIGHT_NAME).exists()
+    assert (runs["straight"] / "checkpoints" / "last.ckpt").resolve().name == "step_6.ckpt"
+
+
+def test_checkpoints_that_cannot_resume_the_run_are_clear_errors(runs):
+    from recipes.checkpoints import check_identity
+
+    saved = torch.load(runs["straight"] / "checkpoints" / "step_6.ckpt", weights_only=False)
+    identity = saved["recipe"]
+    for change, message in (
+        ({"pretrained": "black-forest-labs/FLUX.1-dev"}, "trained on base model 'tiny'.*--model.pretrained tiny"),
+        ({"family": "wan"}, "model family 'flux'"),
+        ({"lora_rank": 8}, "LoRA of rank 16.*--model.lora_rank 16"),
+        ({"dp": 2}, r"dp=1, cp=2.*this run has dp=2.*resume with devices x num_nodes = 1 x cp"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            check_identity(identity, {**identity, **change}, saved["state_dict"])
+    with pytest.raises(ValueError, match="not written by a cp_lightning recipe"):
+        check_identity(None, identity, saved["state_dict"])
+    # wired into the run: resuming with another LoRA rank stops before any weight is loaded
+    cmd = ["--trainer.max_steps=6", "--model.lora_rank=8", "--ckpt_path=last"]
+    with pytest.raises(AssertionError, match="LoRA of rank 16"):
+        run_recipe(runs["tmp"], "resumed", *cmd)
+
+
+def test_the_comfyui_export_converts_back_and_loads_with_the_same_output(runs, tmp_path):
+    from recipes import lora
+
+    run = runs["resumed"]  # exported in ComfyUI's format after step 6
+    comfy = run / "lora" / lora.COMFYUI_NAME
+    state, meta = lora.read(comfy)
+    assert meta["cp_lightning.format"] == "comfyui" and meta["cp_lightning.step"] == "6"
+    assert any(k.startswith("lora_unet_double_blocks_0_img_attn_qkv") for k in state)
+    back = tmp_path / "back"
+    cmd = [sys.executable, "-m", "recipes.convert_lora", str(comfy), str(back), "--to", "diffusers"]
+    subprocess.run(cmd, cwd=ROOT, check=True, capture_output=True)
+    pipe = _pipeline(runs["tmp"])
+    base = _render(pipe)
+    pipe.load_lora_weights(str(run / "checkpoints" / "step_6_lora"))  # the diffusers export of the same step
+    direct = _render(pipe)
+    pipe.unload_lora_weights()
+    pipe.load_lora_weights(str(back))
+    np.testing.assert_allclose(_render(pipe), direct, atol=1e-6)
+    assert np.abs(direct - base).max() > 1e-3  # the LoRA matters
+
+
+def test_flux_comfyui_layout_is_what_diffusers_reads_as_kohya():
+    """At FLUX.1's real sizes (diffusers' kohya converter hard-codes them), fused qkv and linear1 split back."""
+    from diffusers.loaders.lora_conversion_utils import _convert_kohya_flux_lora_to_diffusers
+
+    from recipes import lora
+
+    g = torch.Generator().manual_seed(0)
+    d, mlp = 3072, 12288
+    shapes = {  # module: (in, out)
+        **{f"transformer_blocks.0.attn.{n}": (d, d) for n in ("to_q", "to_k", "to_v", "to_out.0", "add_q_proj")},
+        "transformer_blocks.0.ff.net.0.proj": (d, mlp),
+        "transformer_blocks.0.ff_context.net.2": (mlp, d),
+        **{f"single_transformer_blocks.0.attn.{n}": (d, d) for n in ("to_q", "to_k", "to_v")},
+        "single_transformer_blocks.0.proj_mlp": (d, mlp),
+        "single_transformer_blocks.1.attn.to_q": (d, d),  # linear1 with three zero members
+        "single_transformer_blocks.1.proj_out": (d + mlp, d),
+    }
+    names = list(shapes)
+    state = {}
+    for name, (fan_in, fan_out) in shapes.items():
+        state[f"transformer.{name}.lora_A.weight"] = torch.randn(2, fan_in, generator=g)
+        state[f"transformer.{name}.lora_B.weight"] = torch.randn(fan_out, 2, generator=g)
+    dims = lora.fused_dims({"num_attention_heads": 24, "attention_head_dim": 128})
+    comfy = lora.to_comfyui(state, "flux", dims)
+    theirs = _convert_kohya_flux_lora_to_diffusers(dict(comfy))
+    ours = lora.to_diffusers(comfy, "flux", dims)
+    assert sorted(ours) == sorted(state)
+    for name in names:
+        a, b = f"transformer.{name}.lora_A.weight", f"transformer.{name}.lora_B.weight"
+        assert torch.equal(ours[a], state[a]) and torch.equal(ours[b], state[b])
+        assert torch.allclose(theirs[b] @ theirs[a], state[b] @ state[a], atol=1e-5)
