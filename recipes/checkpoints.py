@@ -19,7 +19,7 @@ from torch.utils.data import DataLoader
 from recipes import lora
 
 
-def check_identity(saved: dict | None, current: dict, state_dict: dict) -> None:
+def check_identity(saved: dict | None, current: dict, state_dict: dict | None) -> None:
     """Raise ValueError when a checkpoint cannot resume this run exactly."""
     if saved is None:
         raise ValueError(
@@ -37,7 +37,8 @@ def check_identity(saved: dict | None, current: dict, state_dict: dict) -> None:
             f"the checkpoint holds a LoRA of rank {saved['lora_rank']}, this run trains rank {current['lora_rank']}: "
             f"resume with --model.lora_rank {saved['lora_rank']}, or start a fresh run without --ckpt_path."
         )
-    if saved["trainable"] != current["trainable"] or sorted(state_dict) != sorted(current["trainable"]):
+    keys = sorted(current["trainable"]) if state_dict is None else sorted(state_dict)
+    if saved["trainable"] != current["trainable"] or keys != sorted(current["trainable"]):
         missing = sorted(set(current["trainable"]) ^ set(saved["trainable"]))[:3]
         raise ValueError(
             f"the checkpoint's trainable parameters differ from this run's (e.g. {missing or 'shapes'}): it was "

@@ -193,9 +193,11 @@ class FlowMatchingFineTune(L.LightningModule):
 
     # -- light checkpoints --------------------------------------------------------------------------
     def on_save_checkpoint(self, checkpoint: dict) -> None:
-        """Keep only the trainable parameters: the frozen base is reloaded from ``pretrained``."""
-        trainable = {name for name, _ in self.trainable_parameters()}
-        checkpoint["state_dict"] = {k: v for k, v in checkpoint["state_dict"].items() if k in trainable}
+        """Keep only the trainable parameters (DDP): the frozen base is reloaded from ``pretrained``."""
+        if not getattr(self.trainer.strategy, "fsdp", False):
+            # FSDP's sharded checkpoints keep the whole (sharded) model: its loader reshards every tensor
+            trainable = {name for name, _ in self.trainable_parameters()}
+            checkpoint["state_dict"] = {k: v for k, v in checkpoint["state_dict"].items() if k in trainable}
         checkpoint["recipe"] = self.checkpoint_identity()
         if self.ema is not None:
             checkpoint["ema"] = self.ema.state_dict()
@@ -203,7 +205,8 @@ class FlowMatchingFineTune(L.LightningModule):
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         from recipes.checkpoints import check_identity
 
-        check_identity(checkpoint.get("recipe"), self.checkpoint_identity(), checkpoint["state_dict"])
+        # (FSDP's sharded checkpoints load their tensors in place: no "state_dict" entry to compare then)
+        check_identity(checkpoint.get("recipe"), self.checkpoint_identity(), checkpoint.get("state_dict"))
         if self.ema is not None and "ema" in checkpoint:
             self.ema.load_state_dict(checkpoint["ema"])
 

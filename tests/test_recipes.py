@@ -85,7 +85,8 @@ def test_cp1_and_cp2_give_the_same_first_losses(default_run, tmp_path):
 
 def test_the_fsdp_variant_trains_like_the_default_and_exports_its_lora(default_run, tmp_path):
     run, tmp = default_run
-    sharded = run_recipe(tmp_path, "fsdp", "--trainer.max_steps=3", cache=tmp, variant="fsdp_")
+    stop = '--trainer.callbacks+={"class_path": "tests.test_recipe_training.StopAt", "init_args": {"step": 3}}'
+    sharded = run_recipe(tmp_path, "fsdp", "--trainer.max_steps=30", stop, cache=tmp, variant="fsdp_")
     assert losses(sharded) == pytest.approx(losses(run)[:3], abs=1e-4)  # FSDP2 instead of DDP: the same steps
     from safetensors.torch import load_file
 
