@@ -6,8 +6,8 @@ For each mode (Ulysses, ring, USP = ring 2 x Ulysses cp/2) one training step of 
 Flux-architecture transformer of benchmarks/common.py runs twice in fresh process groups: at a
 divisible length (``--tokens`` image + ``--text-tokens`` text tokens) and at the nearest
 non-divisible one (one token fewer of each). The uneven run shards with ``tensor_split`` sizes,
-exchanges each attention call's lengths (one small all-gather per call) and uses uneven
-all-to-alls and ring blocks (docs/design.md, "Any length"). Prints a Markdown table of the ratios.
+looks each attention call's lengths up in the split hooks' table and uses uneven all-to-alls and
+ring blocks (docs/design.md, "Any length"). Prints a Markdown table of the ratios.
 """
 
 from __future__ import annotations

@@ -5,6 +5,7 @@ Public entry points: :func:`build_mesh` (the (dp, cp) device mesh) and :func:`pa
 """
 
 from cp_lightning.checks import CPMismatchError
+from cp_lightning.compilation import compile_blocks
 from cp_lightning.mesh import build_mesh
 from cp_lightning.parallelize import loss_shard, parallelize, remove
 from cp_lightning.plan import Unsplit
@@ -16,6 +17,7 @@ __all__ = [
     "FabricContextParallelStrategy",
     "Unsplit",
     "build_mesh",
+    "compile_blocks",
     "loss_shard",
     "parallelize",
     "remove",

@@ -37,6 +37,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader
 
 from cp_lightning import data_parallel
+from cp_lightning.compilation import compile_options, compile_targets
 from cp_lightning.mesh import CP, DP, _local_world_size, build_mesh, validate_degrees
 
 __all__ = ["ContextParallel", "prepare_context_parallel"]
@@ -145,6 +146,9 @@ class ContextParallel:
             ``model.parameters()``. ``mixed_precision="bf16"`` gathers parameters in bf16, reduces in fp32.
         reshard_after_forward, cpu_offload, hsdp, fsdp_blocks: FSDP options, as for
             :class:`cp_lightning.ContextParallelStrategy`.
+        compile: compile the prepared models' repeated blocks with ``torch.compile(fullgraph=True)`` after
+            parallelizing and before DDP: True, or a dict of ``torch.compile`` arguments
+            (``cp_lightning.compilation``).
     """
 
     def __init__(
@@ -164,11 +168,13 @@ class ContextParallel:
         cpu_offload: bool = False,
         hsdp: bool = False,
         fsdp_blocks: Sequence[str] | None = None,
+        compile: bool | Mapping = False,
     ) -> None:
         data_parallel.check_cp_options(cp, ring, plan, kernel, check_steps)
         self.fsdp_options = data_parallel.fsdp_options(
             fsdp, reshard_after_forward=reshard_after_forward, cpu_offload=cpu_offload, hsdp=hsdp, blocks=fsdp_blocks
         )
+        self.compile = compile_options(compile)  # None when off
         _check_accelerator(accelerator, cp, ring, allow_cross_node)
         if self.fsdp_options is not None:
             if accelerator.mixed_precision not in ("no", "bf16"):
@@ -249,6 +255,7 @@ class ContextParallel:
 
     def _prepare_model(self, model: nn.Module) -> nn.Module:
         if self.mesh is None:
+            compile_targets(model, self.plan, self.compile)
             return self.accelerator.prepare_model(model)
         if self.fsdp_options is not None:
             return self._shard_model(model)
@@ -261,6 +268,7 @@ class ContextParallel:
             loss_parallel=self.loss_parallel,
             check_steps=self.check_steps,
         )
+        compile_targets(model, self.plan, self.compile)  # after parallelize, before DDP
         wrapped = self.accelerator.prepare_model(model)  # device placement, autocast, DDP over dp x cp
         # not wrapped: nothing trainable, nothing to reduce; loss-parallel: DDP's own mean is exact
         if isinstance(wrapped, DistributedDataParallel):

@@ -149,11 +149,16 @@ def _check_heads(query: torch.Tensor, key: torch.Tensor, ulysses: int) -> None:
         )
 
 
-def _local_lengths(query, key, group: dist.ProcessGroup, even: bool) -> tuple[list[int], list[int]]:
-    """Every rank's query and key lengths: equal when ``even``, else exchanged (one small all-gather)."""
+def _cp_lengths(query, key, group: dist.ProcessGroup, even: bool) -> tuple[list[int], list[int]]:
+    """Every CP rank's query and key lengths: equal when ``even``, else exchanged (one small all-gather)."""
     world = dist.get_world_size(group)
     if even:
         return [query.shape[1]] * world, [key.shape[1]] * world
+    if torch.compiler.is_compiling():
+        raise ValueError(
+            "cp_attention under torch.compile needs the ranks' lengths without exchanging them: pass even=True "
+            "or lengths=, or call it through a parallelized model (whose split hooks know them)."
+        )
     rows = collectives.exchange_lengths([query.shape[1], key.shape[1]], group, query.device)
     return [row[0] for row in rows], [row[1] for row in rows]
 
@@ -168,6 +173,7 @@ def cp_attention(
     scale: float | None = None,
     kernel: str | None = None,
     even: bool = False,
+    lengths: tuple[list[int], list[int]] | None = None,
 ) -> torch.Tensor:
     """Exact attention over sequence-sharded ``(B, S_local, H, D)`` inputs across the CP group.
 
@@ -175,9 +181,10 @@ def cp_attention(
     over the outer ``ring`` axis (USP). Each rank holds its own shard of queries and of keys/values;
     shards may differ in length between ranks (a sequence the CP degree does not divide) and queries
     from keys (cross-attention to split text). It gets back its own ``(B, S_local, H, D)`` output.
-    ``even=True`` promises that every rank's shards have the same lengths, which skips exchanging
-    them. Heads are dealt out as evenly as possible (:func:`collectives.chunk_sizes`): a head count the
-    Ulysses degree does not divide leaves some ranks one head more, with no padding.
+    ``even=True`` promises that every rank's shards have the same lengths; ``lengths`` gives every CP
+    rank's query and key lengths (both skip exchanging them; see ``plan.SplitState``). Heads are
+    dealt out as evenly as possible (:func:`collectives.chunk_sizes`): a head count the Ulysses degree
+    does not divide leaves some ranks one head more, with no padding.
     Everything that can be refused is checked before communicating.
     """
     heads, ulysses = query.shape[2], groups.ulysses_size
@@ -188,8 +195,12 @@ def cp_attention(
     if groups.ring_size > 1:
         ring_kernel = pick_kernel(query.device, query.dtype, attn_mask is not None, kernel, head_dim=query.shape[-1])
 
+    q_cp, k_cp = _cp_lengths(query, key, groups.cp, even) if lengths is None else lengths
+    # cp rank = ring position x ulysses + ulysses position (mesh.cp_groups): this rank's Ulysses group
+    # holds a run of consecutive cp ranks, and ring position i attends over Ulysses group i's tokens
+    first = dist.get_rank(groups.cp) // ulysses * ulysses
+    q_lengths, k_lengths = q_cp[first : first + ulysses], k_cp[first : first + ulysses]
     if ulysses > 1:
-        q_lengths, k_lengths = _local_lengths(query, key, groups.ulysses, even)
         head_split = collectives.chunk_sizes(heads, ulysses)
         query = _seq_to_heads(query, groups.ulysses, q_lengths, head_split)
         key, value = (_seq_to_heads(t, groups.ulysses, k_lengths, head_split) for t in (key, value))
@@ -200,7 +211,7 @@ def cp_attention(
     if ring_kernel is None:
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, scale=scale)
     else:
-        _, block_lengths = _local_lengths(query, key, groups.ring, even)
+        block_lengths = [sum(k_cp[i : i + ulysses]) for i in range(0, groups.cp_size, ulysses)]
         bias = _to_bias(attn_mask, q.dtype)
         out = ring_attention(
             q, k, v, group=groups.ring, kernel=ring_kernel, bias=bias, scale=scale, block_lengths=block_lengths
@@ -230,9 +241,8 @@ class ContextParallelAttention:
     def __init__(self, groups: CPGroups, kernel: str | None = None, state: SplitState | None = None) -> None:
         self.groups = groups
         self.kernel = kernel
-        # the model's split hooks record in it whether every split was even; until one is not,
-        # attention skips exchanging its ranks' lengths
-        self.state = SplitState() if state is None else state
+        # the model's split hooks record every rank's shard lengths in it: attention looks its own up
+        self.state = SplitState(groups.cp) if state is None else state
 
     def __call__(
         self,
@@ -257,6 +267,12 @@ class ContextParallelAttention:
             attn_mask, rows = collapse_mask(attn_mask, query.shape[1], key.shape[1])
         except ValueError as err:
             raise ValueError(f"{where}: {err}" if where else str(err)) from None
+        lengths = None
+        if not self.state.even:
+            lengths = (
+                self.state.lengths_of(query, 1, "attention queries"),
+                self.state.lengths_of(key, 1, "attention keys"),
+            )
         out = cp_attention(
             query,
             key,
@@ -266,6 +282,7 @@ class ContextParallelAttention:
             scale=scale,
             kernel=self.kernel,
             even=self.state.even,
+            lengths=lengths,
         )
         return out if rows is None else out * rows.to(out.dtype)
 

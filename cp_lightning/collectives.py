@@ -23,7 +23,8 @@ def count_bytes() -> Iterator[Counter]:
     """Count the bytes this rank sends, by kind ("all_to_all", "all_gather", "p2p:<tag>"), while active.
 
     Bytes that stay on the rank (its own chunk of an all-to-all) are not counted; an all-gather counts
-    the ring algorithm's (P-1) sends of the local shard.
+    the ring algorithm's (P-1) sends of the local shard. Under ``torch.compile`` only ring attention's
+    bytes are counted (see :func:`record_sent`).
     """
     counter: Counter = Counter()
     _COUNTERS.append(counter)
@@ -34,6 +35,11 @@ def count_bytes() -> Iterator[Counter]:
 
 
 def record_sent(kind: str, nbytes: int) -> None:
+    if torch.compiler.is_compiling():
+        # Nothing of the counters enters a compiled graph (dynamo would guard on them and recompile
+        # when counting starts or stops). The ring's bytes are still counted: they are recorded by its
+        # custom ops, which run eagerly inside compiled code; collectives traced into the graph are not.
+        return
     for counter in _COUNTERS:
         counter[kind] += nbytes
 
@@ -104,17 +110,27 @@ class _GatherSeq(torch.autograd.Function):
         return reduce_scatter_seq(grad, ctx.dim, ctx.group, ctx.lengths), None, None, None, None
 
 
-def gather(x: torch.Tensor, dim: int, group: dist.ProcessGroup, *, even: bool = True, record=None) -> torch.Tensor:
+def gather(
+    x: torch.Tensor,
+    dim: int,
+    group: dist.ProcessGroup,
+    *,
+    even: bool = True,
+    record=None,
+    lengths: list[int] | None = None,
+) -> torch.Tensor:
     """All-gather the shards along ``dim``; the backward follows ``record``'s rule (see ``_GatherSeq``).
 
     ``record``: the :class:`cp_lightning.gradients.ForwardRecord` of this forward pass, which says
     whether the backward may slice or must reduce-scatter; without one it slices (every rank then
-    computes the same loss from the gathered tensor, with no parameters after it). ``even=False`` allows shards
-    of different lengths (exchanged first, one small all-gather).
+    computes the same loss from the gathered tensor, with no parameters after it). Shards of different
+    lengths: pass every rank's ``lengths`` when known (the split hooks know them), or ``even=False`` to
+    exchange them first (one small all-gather and a host synchronisation).
     """
-    lengths = None
-    if not even:
+    if lengths is None and not even:
         lengths = [row[0] for row in exchange_lengths([x.shape[dim]], group, x.device)]
+    if lengths is not None and len(set(lengths)) == 1:
+        lengths = None
     return _GatherSeq.apply(x, dim, group, lengths, record)
 
 

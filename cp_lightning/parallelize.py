@@ -32,9 +32,9 @@ class ParallelState:
     groups: CPGroups
     handles: list[RemovableHandle]
     attention_modules: list[tuple[str, nn.Module]]
-    check: ConsistencyCheck
+    check: ConsistencyCheck | None  # None when check_steps is 0: nothing of it is installed
     loss_parallel: bool
-    split: SplitState  # split.even: every split so far divided evenly over the CP ranks
+    split: SplitState  # every rank's shard lengths in the current forward pass
     routes: list = field(default_factory=list)  # routing.Route per routed attention module
 
 
@@ -97,10 +97,12 @@ def parallelize(
     if mesh is None:
         mesh = build_mesh(cp, ring=ring)
     groups = cp_groups(mesh, ring)
-    check = ConsistencyCheck(groups.cp, check_steps)
-    state = SplitState()  # written by the split hooks, read by the gathers and the attention
+    check = ConsistencyCheck(groups.cp, check_steps) if check_steps else None
+    state = SplitState(groups.cp, check)  # written by the split hooks, read by the gathers and the attention
     handles = apply_plan(entries, groups.cp, check=check, gather=not loss_parallel, state=state, root=module)
-    handles.append(module.register_forward_pre_hook(lambda mod, _args: check.on_forward(mod)))
+    handles.append(module.register_forward_pre_hook(lambda _mod, _args: state.start_forward(), prepend=True))
+    if check is not None:
+        handles.append(module.register_forward_pre_hook(lambda mod, _args: check.on_forward(mod), prepend=True))
     routes = routing.route_processors(found, attention.ContextParallelAttention(groups, kernel, state), state)
     handles.extend(handle for route in routes for handle in route.handles)
     setattr(module, _STATE, ParallelState(mesh, groups, handles, found, check, loss_parallel, state, routes))

@@ -15,6 +15,8 @@ an item of the module's output split after the call (``split_output=True``, e.g.
 from __future__ import annotations
 
 import inspect
+import operator
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -22,6 +24,8 @@ import torch
 import torch.distributed as dist
 from diffusers.models._modeling_parallel import ContextParallelInput, ContextParallelOutput
 from torch import nn
+from torch._guards import TracingContext
+from torch.fx.node import has_side_effect
 from torch.utils.hooks import RemovableHandle
 
 from cp_lightning import collectives
@@ -216,17 +220,140 @@ def _mark_terminal(root: nn.Module, entries: list[ResolvedEntry]) -> list[Resolv
     return marked
 
 
-class SplitState:
-    """Shared by one model's split hooks, gathers and attention: ``even`` stays True while every split
-    divided evenly over the CP ranks. The first uneven split clears it for good (the same on every
-    rank, since it depends only on the full shapes); from then on gathers and attention exchange the
-    ranks' actual lengths, one small all-gather each."""
+# SplitStates by a plain integer key, for the table functions below (see SplitState)
+_STATES: weakref.WeakValueDictionary[int, SplitState] = weakref.WeakValueDictionary()
 
-    def __init__(self) -> None:
-        self.even = True
+
+class SplitState:
+    """Every CP rank's shard lengths in the current forward pass, known without communicating.
+
+    A split hook knows the full size S of what it splits, hence every rank's length
+    (``collectives.chunk_sizes(S, P)``), and records that list here under the split's name. Gathers and
+    attention then *look up* the ranks' lengths of a local sequence, one split or a concatenation of
+    several (joint text + image attention), instead of all-gathering them: no host synchronisation.
+    The table is refilled at every forward pass of the parallelized module (``start_forward``, a
+    pre-hook). While the consistency check is active, each lookup is cross-checked against lengths
+    exchanged between the ranks.
+
+    Under ``torch.compile`` the table is host-side bookkeeping, not part of any graph: its functions are
+    marked ``assume_constant_result``, so dynamo runs them while tracing and bakes their answers into
+    the graph as constants. That holds inside activation-checkpointed blocks (whose traced body may not
+    mutate outer Python state) and needs static sequence lengths (``dynamic=False`` when lengths vary).
+    When the whole model is compiled, the splits run inside the graph, whose guards on the input shapes
+    already cover the table. When only blocks are compiled, the splits run eagerly before them and a
+    block's local shapes do not determine the other ranks' lengths (15 and 16 tokens both put 8 on
+    rank 0 at cp 2), so a graph is also guarded on the entries recorded outside its own trace, and
+    splits traced into a graph record again at run time (custom ops), keeping those entries fresh.
+    """
+
+    def __init__(self, group: dist.ProcessGroup | None = None, check=None) -> None:
+        group = dist.group.WORLD if group is None else group
+        self.world, self.rank = dist.get_world_size(group), dist.get_rank(group)
+        self.group, self.check = group, check
+        self.shards: dict[str, list[int]] = {}  # every rank's length of each split, by name
         self.lengths: dict[str, int] = {}  # full length of each split argument, by name (for JointInput)
         self.record: ForwardRecord | None = None  # the current forward pass (gradients.py)
-        self.sharded = False  # between a split of tokens and a gather in the current forward pass
+        self.sharded = False  # between a split and a gather in the current forward pass
+        self._found: dict[int, list[int] | None] = {}  # lookups of this pass
+        self.origin: dict[str, int | None] = {}  # which dynamo trace recorded each entry (None: eager)
+        self.key = id(self)
+        _STATES[self.key] = self
+
+    def start_forward(self) -> None:
+        _start_forward(self.key)
+        if torch.compiler.is_compiling():
+            split_table_start(self.key)  # at run time too, for frames compiled separately
+
+    def record_split(self, where: str, size: int) -> None:
+        # operator.index specializes a length torch.compile made symbolic (automatic dynamic shapes
+        # after a length changed; int() does not): CP needs every rank's length while tracing, so each
+        # length gets its own graph
+        size = operator.index(size)
+        _record(self.key, where, size)
+        if torch.compiler.is_compiling():
+            split_table_record(self.key, where, size)  # at run time too, for frames compiled separately
+
+    def record_sizes(self, where: str, sizes: list[int]) -> None:
+        """Record a split whose ranks' lengths are ``sizes`` (a JointInput: the sum of its segments')."""
+        sizes = [operator.index(size) for size in sizes]
+        _record_sizes(self.key, where, sizes)
+        if torch.compiler.is_compiling():
+            split_table_record_sizes(self.key, where, sizes)
+
+    def _guard_table(self) -> None:
+        """Under torch.compile: guard the graph on the table entries recorded outside this trace.
+
+        Entries recorded in this trace follow from its input shapes, which dynamo guards already;
+        entries recorded elsewhere (eager split hooks, another compiled block) are read here from the
+        live table, so that dynamo guards on their values.
+        """
+        if torch.compiler.is_compiling():
+            for where, sizes in _outside_this_trace(self.key):
+                live = self.shards[where]
+                # element by element: dynamo guards on each int it compares (a list == list compares
+                # without guarding the elements)
+                if len(live) != len(sizes) or any(a != b for a, b in zip(live, sizes, strict=True)):
+                    raise AssertionError(f"the split table entry {where!r} changed while tracing")
+
+    @property
+    def even(self) -> bool:
+        """Every split of this pass divided evenly over the CP ranks (so every concatenation of them does)."""
+        self._guard_table()
+        return _even(self.key)
+
+    def lookup(self, local: int) -> list[int] | None:
+        """Every rank's length of a local sequence of ``local`` tokens, or None when the table cannot tell.
+
+        The answer is used only when it is unambiguous on *every* rank: among the concatenations of this
+        pass's splits, exactly one has ``local`` at this rank, and no other one shares any rank's length
+        with it. That condition does not depend on which rank evaluates it, so all ranks either use the
+        table or fall back to exchanging lengths together (a collective that must not run on some only).
+        """
+        self._guard_table()
+        return _lookup(self.key, operator.index(local))  # specialized, as in record()
+
+    def lengths_of(self, x: torch.Tensor, dim: int, where: str) -> list[int]:
+        """Every CP rank's length of ``x`` along ``dim``: looked up, else exchanged (outside compiled code)."""
+        lengths = self.lookup(x.shape[dim])
+        if lengths is None:
+            if torch.compiler.is_compiling():
+                raise ValueError(
+                    f"{where}: cannot tell the CP ranks' lengths of a {x.shape[dim]}-token local sequence from "
+                    "this forward pass's splits (text and image tokens of equal or nearly equal lengths that the "
+                    "CP degree does not divide), and exchanging them would break the compiled graph. Use "
+                    "lengths the CP degree divides, or do not compile this module."
+                )
+            return [row[0] for row in collectives.exchange_lengths([x.shape[dim]], self.group, x.device)]
+        if self.check is not None:
+            self.check.lengths(where, x, dim, lengths)
+        return lengths
+
+    def _concatenations(self) -> list[tuple[int, ...]]:
+        """Every rank's length of each concatenation of this pass's distinct splits.
+
+        A split recorded under several names (text tokens, their mask and their RoPE table) counts once;
+        so does a length shared by text and image, whose concatenation the table then cannot tell (it
+        falls back to exchanging; under torch.compile, an error).
+        """
+        distinct: list[tuple[int, ...]] = []
+        for sizes in self.shards.values():
+            if tuple(sizes) not in distinct:
+                distinct.append(tuple(sizes))
+        sums: list[tuple[int, ...]] = [(0,) * self.world]
+        for sizes in distinct:
+            sums = sums + [tuple(a + b for a, b in zip(s, sizes, strict=True)) for s in sums]
+        return list(dict.fromkeys(sums[1:]))
+
+    def _lookup(self, local: int) -> list[int] | None:
+        candidates = self._concatenations()
+        matches = [c for c in candidates if c[self.rank] == local]
+        if len(matches) != 1:
+            return None
+        found = matches[0]
+        for other in candidates:
+            if other != found and any(a == b for a, b in zip(other, found, strict=True)):
+                return None
+        return list(found)
 
     def begin_forward(self, loss_parallel: bool) -> None:
         self.record = ForwardRecord(loss_parallel)
@@ -242,6 +369,81 @@ class SplitState:
                     "without loss_parallel, or gather once, after the last split."
                 )
             self.sharded = True
+
+
+@torch._dynamo.assume_constant_result
+def _start_forward(key: int) -> bool:
+    state = _STATES[key]
+    state.shards, state._found, state.origin = {}, {}, {}
+    return True
+
+
+@torch._dynamo.assume_constant_result
+def _record(key: int, where: str, size: int) -> bool:
+    state = _STATES[key]
+    state.shards[where] = collectives.chunk_sizes(size, state.world)
+    state._found = {}
+    state.origin[where] = _trace_id()
+    return True
+
+
+def _trace_id() -> int | None:
+    """Which dynamo trace is running (None: none; dynamo runs the functions above while tracing)."""
+    context = TracingContext.try_get()
+    return None if context is None else id(context)
+
+
+@torch._dynamo.assume_constant_result
+def _outside_this_trace(key: int) -> tuple:
+    state, here = _STATES[key], _trace_id()
+    return tuple((where, sizes) for where, sizes in state.shards.items() if state.origin.get(where) != here)
+
+
+@torch.library.custom_op("cp_lightning::split_table_start", mutates_args=())
+def split_table_start(key: int) -> None:
+    """Run time of a compiled graph: what ``SplitState.start_forward`` did while tracing."""
+    _start_forward(key)
+
+
+@torch.library.custom_op("cp_lightning::split_table_record", mutates_args=())
+def split_table_record(key: int, where: str, size: int) -> None:
+    """Run time of a compiled graph: what ``SplitState.record`` did while tracing."""
+    _record(key, where, size)
+
+
+@torch.library.custom_op("cp_lightning::split_table_record_sizes", mutates_args=())
+def split_table_record_sizes(key: int, where: str, sizes: list[int]) -> None:
+    """Run time of a compiled graph: what ``SplitState.record_sizes`` did while tracing."""
+    _record_sizes(key, where, sizes)
+
+
+for _op in (split_table_start, split_table_record, split_table_record_sizes):
+    _op.register_fake(lambda *args: None)
+    has_side_effect(_op._opoverload)
+
+
+@torch._dynamo.assume_constant_result
+def _record_sizes(key: int, where: str, sizes: list[int]) -> bool:
+    state = _STATES[key]
+    state.shards[where] = list(sizes)
+    state._found = {}
+    state.origin[where] = _trace_id()
+    return True
+
+
+@torch._dynamo.assume_constant_result
+def _even(key: int) -> bool:
+    return all(min(sizes) == max(sizes) for sizes in _STATES[key].shards.values())
+
+
+@torch._dynamo.assume_constant_result
+def _lookup(key: int, local: int) -> list[int] | None:
+    state = _STATES[key]
+    if _even(key):
+        return [local] * state.world
+    if local not in state._found:
+        state._found[local] = state._lookup(local)
+    return state._found[local]
 
 
 def _split(x: torch.Tensor, spec: ContextParallelInput, group, where: str, check=None, state=None) -> torch.Tensor:
@@ -262,8 +464,8 @@ def _split(x: torch.Tensor, spec: ContextParallelInput, group, where: str, check
         raise ValueError(f"{where}: {err}") from None
     if check is not None:  # after the local validation above: a user mistake never reaches a collective
         check(where, x)
-    if state is not None and x.shape[spec.split_dim] % dist.get_world_size(group) != 0:
-        state.even = False
+    if state is not None:
+        state.record_split(where, x.shape[spec.split_dim])
     return local
 
 
@@ -341,8 +543,9 @@ def _split_joint(x, spec: JointInput, group, where: str, check=None, state=None)
     if check is not None:
         check(where, x)
     world = dist.get_world_size(group)
-    if state is not None and any(size % world for size in sizes):
-        state.even = False
+    if state is not None:  # each rank holds its share of every segment
+        per_segment = [collectives.chunk_sizes(size, world) for size in sizes]
+        state.record_sizes(where, [sum(column) for column in zip(*per_segment, strict=True)])
     return torch.cat(
         [collectives.shard(part, spec.split_dim, group) for part in x.split(sizes, spec.split_dim)], spec.split_dim
     )
@@ -397,13 +600,13 @@ def _gather_hook(name: str, spec, group, state: SplitState, gather: bool) -> Cal
                     f"{name}->output[{i}]: expected a {out_spec.expected_dims}-d tensor to gather along dim "
                     f"{out_spec.gather_dim}, got shape {tuple(x.shape)}."
                 )
+            lengths = None if state.even else state.lengths_of(x, out_spec.gather_dim, f"{name}->output[{i}]")
             if gather:
-                items[i] = collectives.gather(x, out_spec.gather_dim, group, even=state.even, record=state.record)
+                items[i] = collectives.gather(x, out_spec.gather_dim, group, record=state.record, lengths=lengths)
                 continue
             weight = 1.0
-            if not state.even:
-                lengths = collectives.exchange_lengths([x.shape[out_spec.gather_dim]], group, x.device)
-                weight = len(lengths) * x.shape[out_spec.gather_dim] / sum(row[0] for row in lengths)
+            if lengths is not None:
+                weight = len(lengths) * x.shape[out_spec.gather_dim] / sum(lengths)
             record = state.record
             if record is None:
                 items[i] = ScaleGrad.apply(x, weight) if weight != 1.0 else x
@@ -433,7 +636,7 @@ def apply_plan(
     ``root``: the module the plan was resolved against; its forward hooks pick each pass's gradient
     rule (gradients.py). Without it the gathers hand back their slice, exact only for terminal gathers.
     """
-    state = SplitState() if state is None else state
+    state = SplitState(group) if state is None else state
     handles = []
     for entry in entries:
         if isinstance(entry.spec, Unsplit):

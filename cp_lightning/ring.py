@@ -15,9 +15,10 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from torch.distributed.distributed_c10d import _resolve_process_group
 
 from cp_lightning.collectives import record_sent
-from cp_lightning.kernels import Kernel
+from cp_lightning.kernels import Kernel, get_kernel
 
 # message tags: K, V and the mask travel together; the dK/dV accumulators follow them
 K_TAG, V_TAG, BIAS_TAG, DK_TAG, DV_TAG = range(5)
@@ -118,68 +119,140 @@ def _finish_blocks(comm: RingComm, pending):
     return received[0], received[1], (received[2] if len(received) > 2 else None)
 
 
-class _RingAttention(torch.autograd.Function):
+def _bshd_layout(like: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """An empty (B, H, S, D) tensor laid out as contiguous (B, S, H, D), the layout of every ring output.
+
+    One fixed layout, in the real implementations and the fake ones alike, keeps compiled graphs' strides
+    equal to eager's; it is also what the kernels write and what diffusers' processors reshape for free.
+    """
+    b, h, s, d = like.shape
+    return like.new_empty((b, s, h, d), dtype=dtype).transpose(1, 2)
+
+
+def _as_bshd(x: torch.Tensor) -> torch.Tensor:
+    return x.transpose(1, 2).contiguous().transpose(1, 2)  # no copy when already laid out so
+
+
+def _ring_forward(q, k, v, bias, group, kernel: Kernel, scale, block_lengths):
     """q, k, v: (B, H, S_local, D); bias: None or (B, H|1, 1, S_k_local) additive, in q's dtype;
-    block_lengths: every ring rank's key count, or None when they are all equal."""
+    block_lengths: every ring rank's key count, or None when they are all equal. Returns (out, lse)."""
+    comm = RingComm(group)
+    bias = None if bias is None else bias.contiguous()
+    # blocks travel as contiguous B, S, H, D; the kernels see B, H, S, D views of them
+    block_k, block_v, block_bias = _wire(k), _wire(v), bias
+    out = lse = None
+    for step in range(comm.world):
+        # post the transfer of the next block before computing on this one: they overlap
+        pending = None
+        if step + 1 < comm.world:
+            pending = _start_blocks(comm, block_k, block_v, block_bias, comm.incoming_length(block_lengths, step))
+        block_out, block_lse = kernel.forward(q, block_k.transpose(1, 2), block_v.transpose(1, 2), block_bias, scale)
+        out, lse = merge(out, lse, block_out, _masked_lse(block_lse, block_bias))
+        del block_out, block_lse
+        if pending is not None:
+            block_k, block_v, block_bias = _finish_blocks(comm, pending)
+    return _as_bshd(out).to(q.dtype), lse.contiguous()
 
-    @staticmethod
-    def forward(ctx, q, k, v, bias, group, kernel: Kernel, scale, block_lengths):
-        comm = RingComm(group)
-        bias = None if bias is None else bias.contiguous()
-        # blocks travel as contiguous B, S, H, D; the kernels see B, H, S, D views of them
-        block_k, block_v, block_bias = _wire(k), _wire(v), bias
-        out = lse = None
-        for step in range(comm.world):
-            # post the transfer of the next block before computing on this one: they overlap
-            pending = None
-            if step + 1 < comm.world:
-                pending = _start_blocks(comm, block_k, block_v, block_bias, comm.incoming_length(block_lengths, step))
-            block_out, block_lse = kernel.forward(
-                q, block_k.transpose(1, 2), block_v.transpose(1, 2), block_bias, scale
-            )
-            out, lse = merge(out, lse, block_out, _masked_lse(block_lse, block_bias))
-            del block_out, block_lse
-            if pending is not None:
-                block_k, block_v, block_bias = _finish_blocks(comm, pending)
-        out = out.to(q.dtype)
-        ctx.save_for_backward(q, k, v, out, lse, *([] if bias is None else [bias]))
-        ctx.group, ctx.kernel, ctx.scale, ctx.has_bias = group, kernel, scale, bias is not None
-        ctx.block_lengths = block_lengths
-        return out
 
-    @staticmethod
-    def backward(ctx, dout):
-        q, k, v, out, lse, *rest = ctx.saved_tensors
-        bias = rest[0] if ctx.has_bias else None
-        comm = RingComm(ctx.group)
-        # rows with no unmasked key at all: +inf makes every probability exp(s - inf) = 0
-        lse = lse.masked_fill(torch.isneginf(lse), float("inf"))
-        dq = torch.zeros_like(q, dtype=torch.float32)
-        block_k, block_v, block_bias = _wire(k), _wire(v), bias
-        grad_pending = None
-        for step in range(comm.world):
-            incoming = comm.incoming_length(ctx.block_lengths, step)
-            kv_pending = None
-            if step + 1 < comm.world:
-                kv_pending = _start_blocks(comm, block_k, block_v, block_bias, incoming)
-            dq_block, dk_block, dv_block = ctx.kernel.backward(
-                dout, q, block_k.transpose(1, 2), block_v.transpose(1, 2), out, lse, block_bias, ctx.scale
-            )
-            dq += dq_block
-            if grad_pending is None:  # accumulators in fp32, laid out B, S, H, D like the blocks
-                dk, dv = _wire(dk_block).float(), _wire(dv_block).float()
-            else:  # this block's accumulators, from the previous rank
-                dk, dv = comm.finish(grad_pending)
-                dk += dk_block.transpose(1, 2)
-                dv += dv_block.transpose(1, 2)
-            del dq_block, dk_block, dv_block
-            # on to the next rank; the last hop goes home
-            grad_pending = comm.start([dk, dv], [DK_TAG, DV_TAG], [_with_length(t, 1, incoming) for t in (dk, dv)])
-            if kv_pending is not None:
-                block_k, block_v, block_bias = _finish_blocks(comm, kv_pending)
-        dk, dv = comm.finish(grad_pending)
-        dk, dv = dk.transpose(1, 2).to(k.dtype), dv.transpose(1, 2).to(v.dtype)
-        return dq.to(q.dtype), dk, dv, None, None, None, None, None
+def _ring_backward(dout, q, k, v, out, lse, bias, group, kernel: Kernel, scale, block_lengths):
+    """Gradients (dq, dk, dv) of :func:`_ring_forward`, from its final output and LSE."""
+    comm = RingComm(group)
+    # rows with no unmasked key at all: +inf makes every probability exp(s - inf) = 0
+    lse = lse.masked_fill(torch.isneginf(lse), float("inf"))
+    dq = _bshd_layout(q, torch.float32).zero_()
+    block_k, block_v, block_bias = _wire(k), _wire(v), None if bias is None else bias.contiguous()
+    grad_pending = None
+    for step in range(comm.world):
+        incoming = comm.incoming_length(block_lengths, step)
+        kv_pending = None
+        if step + 1 < comm.world:
+            kv_pending = _start_blocks(comm, block_k, block_v, block_bias, incoming)
+        dq_block, dk_block, dv_block = kernel.backward(
+            dout, q, block_k.transpose(1, 2), block_v.transpose(1, 2), out, lse, block_bias, scale
+        )
+        dq += dq_block
+        if grad_pending is None:  # accumulators in fp32, laid out B, S, H, D like the blocks
+            dk, dv = _wire(dk_block).float(), _wire(dv_block).float()
+        else:  # this block's accumulators, from the previous rank
+            dk, dv = comm.finish(grad_pending)
+            dk += dk_block.transpose(1, 2)
+            dv += dv_block.transpose(1, 2)
+        del dq_block, dk_block, dv_block
+        # on to the next rank; the last hop goes home
+        grad_pending = comm.start([dk, dv], [DK_TAG, DV_TAG], [_with_length(t, 1, incoming) for t in (dk, dv)])
+        if kv_pending is not None:
+            block_k, block_v, block_bias = _finish_blocks(comm, kv_pending)
+    dk, dv = comm.finish(grad_pending)  # B, S, H, D fp32, received: fresh buffers
+    return dq.to(q.dtype), dk.transpose(1, 2).to(k.dtype), dv.transpose(1, 2).to(v.dtype)
+
+
+# The ring as two custom ops, so that torch.compile sees one opaque op per ring forward and backward
+# instead of tracing into P2P calls it cannot capture (each one a graph break). Their fake
+# implementations give the outputs' shapes and strides without communicating; groups and kernels
+# travel by name, since an op's arguments must be tensors or plain values.
+@torch.library.custom_op("cp_lightning::ring_attention_forward", mutates_args=())
+def ring_attention_forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    bias: torch.Tensor | None,
+    group_name: str,
+    kernel: str,
+    scale: float | None,
+    block_lengths: list[int] | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Ring attention forward: (out (B, H, S_local, D) laid out B, S, H, D; lse (B, H, S_local) fp32)."""
+    group = _resolve_process_group(group_name)
+    return _ring_forward(q, k, v, bias, group, get_kernel(kernel), scale, block_lengths)
+
+
+@ring_attention_forward.register_fake
+def _(q, k, v, bias, group_name, kernel, scale, block_lengths):
+    b, h, s, _ = q.shape
+    return _bshd_layout(q, q.dtype), q.new_empty((b, h, s), dtype=torch.float32)
+
+
+@torch.library.custom_op("cp_lightning::ring_attention_backward", mutates_args=())
+def ring_attention_backward(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    bias: torch.Tensor | None,
+    group_name: str,
+    kernel: str,
+    scale: float | None,
+    block_lengths: list[int] | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Ring attention backward: (dq, dk, dv), each laid out B, S, H, D like the forward's output."""
+    group = _resolve_process_group(group_name)
+    return _ring_backward(dout, q, k, v, out, lse, bias, group, get_kernel(kernel), scale, block_lengths)
+
+
+@ring_attention_backward.register_fake
+def _(dout, q, k, v, out, lse, bias, group_name, kernel, scale, block_lengths):
+    return _bshd_layout(q, q.dtype), _bshd_layout(k, k.dtype), _bshd_layout(v, v.dtype)
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    q, k, v, bias, ctx.group_name, ctx.kernel, ctx.scale, ctx.block_lengths = inputs
+    out, lse = output
+    ctx.mark_non_differentiable(lse)
+    ctx.save_for_backward(q, k, v, out, lse, bias)
+
+
+def _backward(ctx, dout, _dlse):
+    # the recomputation per block with the final output and LSE is exact (see the module docstring)
+    q, k, v, out, lse, bias = ctx.saved_tensors
+    dq, dk, dv = ring_attention_backward(
+        dout, q, k, v, out, lse, bias, ctx.group_name, ctx.kernel, ctx.scale, ctx.block_lengths
+    )
+    return dq, dk, dv, None, None, None, None, None
+
+
+ring_attention_forward.register_autograd(_backward, setup_context=_setup_context)
 
 
 def ring_attention(
@@ -188,7 +261,9 @@ def ring_attention(
     """Exact attention of local queries over the K/V blocks of every rank in ``group`` (all (B, H, S, D)).
 
     ``block_lengths``: each ring rank's key count when they differ (None: all equal to this rank's).
+    The output is laid out as contiguous (B, S, H, D).
     """
     if block_lengths is not None and len(set(block_lengths)) == 1:
         block_lengths = None
-    return _RingAttention.apply(q, k, v, bias, group, kernel, scale, block_lengths)
+    out, _ = ring_attention_forward(q, k, v, bias, group.group_name, kernel.name, scale, block_lengths)
+    return out

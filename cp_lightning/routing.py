@@ -113,7 +113,11 @@ def check_processors(
 
 
 def _routed_dispatch(original):
-    signature = inspect.signature(original)
+    # Arguments are matched to names by hand rather than with ``Signature.bind``, which
+    # torch.compile cannot trace (a graph break inside every attention call).
+    parameters = inspect.signature(original).parameters
+    names = list(parameters)
+    defaults = {name: p.default for name, p in parameters.items() if p.default is not inspect.Parameter.empty}
 
     @functools.wraps(original)
     def dispatch_attention_fn(*args, **kwargs):
@@ -123,9 +127,9 @@ def _routed_dispatch(original):
         route = _ACTIVE[-1] if _ACTIVE else None
         if route is not None and not route.cp:
             return original(*args, **{**kwargs, "parallel_config": None})
-        bound = signature.bind(*args, **kwargs)
-        bound.apply_defaults()
-        a = bound.arguments
+        a = dict(defaults)
+        a.update(zip(names, args, strict=False))  # trailing defaults may be omitted
+        a.update(kwargs)
         return config(
             a["query"],
             a["key"],

@@ -37,6 +37,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from cp_lightning import data_parallel, faults
 from cp_lightning.checkpoint_io import AtomicCheckpointIO, repair_epoch_progress
+from cp_lightning.compilation import compile_options, compile_targets
 from cp_lightning.mesh import CP, DP, build_mesh
 
 
@@ -59,6 +60,13 @@ class _ContextParallel:
     @property
     def fsdp(self) -> bool:
         return self.fsdp_options is not None
+
+    def _init_compile(self, compile) -> None:
+        self.compile = compile_options(compile)  # None when off; checked before any process starts
+
+    def _compile(self, root: nn.Module) -> None:
+        """After parallelize (and the user's checkpointing in configure_model), before DDP/FSDP wrapping."""
+        compile_targets(root, self.plan, self.compile)
 
     # -- layout ---------------------------------------------------------------------------------
     def _configure_launcher(self) -> None:
@@ -211,6 +219,8 @@ class ContextParallelStrategy(_ContextParallel, DDPStrategy):
         hsdp: (fsdp) shard inside each CP group and replicate across dp, instead of sharding over dp x cp.
         fsdp_blocks: (fsdp) class names of the blocks to shard one by one; default: the model's diffusers
             ``_repeated_blocks``.
+        compile: compile the parallelized models' repeated blocks with ``torch.compile(fullgraph=True)``:
+            True, or a dict of ``torch.compile`` arguments (see ``cp_lightning.compilation``).
         timeout: how long a collective waits for its peers (a ``timedelta`` or seconds), in every group of the
             mesh, before it fails naming the collective and the missing ranks; Lightning's 30 min if None.
         nonfinite: a non-finite loss or local gradient ``"raise"``s :class:`~cp_lightning.faults.NonFiniteError`
@@ -238,12 +248,14 @@ class ContextParallelStrategy(_ContextParallel, DDPStrategy):
         cpu_offload: bool = False,
         hsdp: bool = False,
         fsdp_blocks: Sequence[str] | None = None,
+        compile: bool | Mapping = False,
         timeout: timedelta | float | None = None,
         nonfinite: str = "raise",
         **kwargs: Any,
     ) -> None:
         self._init_cp(cp, ring, plan, loss_parallel, kernel, allow_cross_node, check_steps)
         self._init_fsdp(fsdp, reshard_after_forward, cpu_offload, hsdp, fsdp_blocks)
+        self._init_compile(compile)
         self.nonfinite = faults.NonFiniteCheck(nonfinite)
         # Joining at start-up can take longer than any collective should (ranks import and load at their own
         # pace): the rendezvous waits at least Lightning's default, the collectives `timeout` from setup on.
@@ -268,6 +280,7 @@ class ContextParallelStrategy(_ContextParallel, DDPStrategy):
             options = self.fsdp_options
             data_parallel.check_fsdp_model(self.lightning_module, self.plan, options)  # before any collective
         self._parallelize(self.lightning_module)
+        self._compile(self.lightning_module)
         # every group of the mesh: torch gives new groups 30 min, whatever the world's timeout
         faults.set_collective_timeout(self._collective_timeout or self._timeout, self.device_mesh, self.ring)
         super().setup(trainer)
@@ -420,10 +433,12 @@ class FabricContextParallelStrategy(_ContextParallel, FabricDDPStrategy):
         cpu_offload: bool = False,
         hsdp: bool = False,
         fsdp_blocks: Sequence[str] | None = None,
+        compile: bool | Mapping = False,
         **kwargs: Any,
     ) -> None:
         self._init_cp(cp, ring, plan, loss_parallel, kernel, allow_cross_node, check_steps)
         self._init_fsdp(fsdp, reshard_after_forward, cpu_offload, hsdp, fsdp_blocks)
+        self._init_compile(compile)
         self._sharded_params: set[int] = set()
         super().__init__(**kwargs)
 
@@ -431,6 +446,7 @@ class FabricContextParallelStrategy(_ContextParallel, FabricDDPStrategy):
         if self.fsdp:
             data_parallel.check_fsdp_model(module, self.plan, self.fsdp_options)  # before any collective
         self._parallelize(module)
+        self._compile(module)
         if self.fsdp:
             self.module_to_device(module)
             self._shard(module)

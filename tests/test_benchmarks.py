@@ -130,3 +130,15 @@ def test_gather_rule_benchmark_times_every_rule(capsys):
     # the proved free slice sends no reduce-scatter; a gather before norm_out/proj_out needs one
     assert rows["proved"]["reduce_scatter"] == 0 and rows["after"]["reduce_scatter"] > 0, rows
     assert "| 2 | ulysses | after |" in capsys.readouterr().out
+
+
+def test_compile_speed_benchmark_times_both_in_one_run(capsys):
+    from benchmarks import compile_speed
+
+    rows = compile_speed.main(
+        ["--modes", "ring", "--backend", "aot_eager", "--tokens", "64", "--text-tokens", "8", "--layers", "1"]
+        + ["--warmup", "0", "--repeats", "1"]
+    )
+    assert [(r["mode"], r["cp"], r["ring"]) for r in rows] == [("ring", 2, 2)]
+    assert rows[0]["eager_time"] > 0 and rows[0]["compiled_time"] > 0 and rows[0]["compile"] > 0
+    assert "| ring | 2 | 2 |" in capsys.readouterr().out
