@@ -145,7 +145,8 @@ def reduce_scatter_seq(grad: torch.Tensor, dim: int, group: dist.ProcessGroup, l
     g = grad.movedim(dim, 0)  # the sequence first: chunk p of dim 0 is rank p's slice
     if len(set(lengths)) == 1:
         send = g.contiguous()
-        if send.data_ptr() == grad.data_ptr():
+        # torch.compile cannot compare data pointers (and functionalizes the exchange anyway): copy
+        if torch.compiler.is_compiling() or send.data_ptr() == grad.data_ptr():
             send = send.clone()
     else:
         parts = []

@@ -252,6 +252,7 @@ class SplitState:
         self.group, self.check = group, check
         self.shards: dict[str, list[int]] = {}  # every rank's length of each split, by name
         self.lengths: dict[str, int] = {}  # full length of each split argument, by name (for JointInput)
+        self.joint = False  # the plan has a JointInput (apply_plan): only then is ``lengths`` kept
         self.record: ForwardRecord | None = None  # the current forward pass (gradients.py)
         self.sharded = False  # between a split and a gather in the current forward pass
         self._found: dict[int, list[int] | None] = {}  # lookups of this pass
@@ -260,6 +261,9 @@ class SplitState:
         _STATES[self.key] = self
 
     def start_forward(self) -> None:
+        if self.joint:
+            # a fresh dict, not a cleared one: a compiled graph then never guards on the previous pass's
+            self.lengths = {}
         _start_forward(self.key)
         if torch.compiler.is_compiling():
             split_table_start(self.key)  # at run time too, for frames compiled separately
@@ -500,7 +504,8 @@ def _split_inputs_hook(name: str, spec: Mapping, group, module: nn.Module, check
         if isinstance(arg_spec, PerTokenInput) and isinstance(value, torch.Tensor):
             if value.dim() < arg_spec.expected_dims:
                 return value  # the per-sample form: nothing to split
-        if state is not None and isinstance(value, torch.Tensor) and value.dim() > arg_spec.split_dim:
+        joint = state is not None and state.joint  # only JointInput plans read the full lengths
+        if joint and isinstance(value, torch.Tensor) and value.dim() > arg_spec.split_dim:
             state.lengths[arg] = value.shape[arg_spec.split_dim]
         return _split_value(value, arg_spec, group, where, check, state)
 
@@ -637,6 +642,12 @@ def apply_plan(
     rule (gradients.py). Without it the gathers hand back their slice, exact only for terminal gathers.
     """
     state = SplitState(group) if state is None else state
+    state.joint = any(
+        isinstance(value, JointInput)
+        for entry in entries
+        if isinstance(entry.spec, Mapping)
+        for value in entry.spec.values()
+    )
     handles = []
     for entry in entries:
         if isinstance(entry.spec, Unsplit):
