@@ -253,6 +253,7 @@ class SplitState:
         self.shards: dict[str, list[int]] = {}  # every rank's length of each split, by name
         self.lengths: dict[str, int] = {}  # full length of each split argument, by name (for JointInput)
         self.joint = False  # the plan has a JointInput (apply_plan): only then is ``lengths`` kept
+        self.exchange = False  # set by ``even = False``: no table lookups, exchange the lengths
         self.record: ForwardRecord | None = None  # the current forward pass (gradients.py)
         self.sharded = False  # between a split and a gather in the current forward pass
         self._found: dict[int, list[int] | None] = {}  # lookups of this pass
@@ -304,6 +305,11 @@ class SplitState:
         """Every split of this pass divided evenly over the CP ranks (so every concatenation of them does)."""
         self._guard_table()
         return _even(self.key)
+
+    @even.setter
+    def even(self, value: bool) -> None:
+        """``even = False`` makes attention exchange its ranks' lengths, for calls no split hook fed."""
+        self.exchange = not value
 
     def lookup(self, local: int) -> list[int] | None:
         """Every rank's length of a local sequence of ``local`` tokens, or None when the table cannot tell.
@@ -437,12 +443,16 @@ def _record_sizes(key: int, where: str, sizes: list[int]) -> bool:
 
 @torch._dynamo.assume_constant_result
 def _even(key: int) -> bool:
+    if _STATES[key].exchange:
+        return False
     return all(min(sizes) == max(sizes) for sizes in _STATES[key].shards.values())
 
 
 @torch._dynamo.assume_constant_result
 def _lookup(key: int, local: int) -> list[int] | None:
     state = _STATES[key]
+    if state.exchange:
+        return None
     if _even(key):
         return [local] * state.world
     if local not in state._found:
