@@ -242,7 +242,7 @@ class ContextParallelAttention:
         self.groups = groups
         self.kernel = kernel
         # the model's split hooks record every rank's shard lengths in it: attention looks its own up
-        self.state = SplitState(groups.cp) if state is None else state
+        self.state = SplitState(groups.cp) if state is None and groups is not None else state
 
     def __call__(
         self,
