@@ -323,17 +323,23 @@ class SplitState:
         return _lookup(self.key, operator.index(local))  # specialized, as in record()
 
     def lengths_of(self, x: torch.Tensor, dim: int, where: str) -> list[int]:
-        """Every CP rank's length of ``x`` along ``dim``: looked up, else exchanged (outside compiled code)."""
+        """Every CP rank's length of ``x`` along ``dim``: exchanged in eager code, looked up while compiling.
+
+        Eager code always exchanges (one small all-gather, only on passes with uneven splits): the table
+        answers for every rank alike only when ``x`` is a concatenation of this pass's splits. A tensor
+        that is not (LTX-2's whole audio stream reaching CP attention) can match on some ranks and not on
+        others, and the ranks that fell back to exchanging would wait forever for the rest.
+        """
+        if not torch.compiler.is_compiling():
+            return [row[0] for row in collectives.exchange_lengths([x.shape[dim]], self.group, x.device)]
         lengths = self.lookup(x.shape[dim])
         if lengths is None:
-            if torch.compiler.is_compiling():
-                raise ValueError(
-                    f"{where}: cannot tell the CP ranks' lengths of a {x.shape[dim]}-token local sequence from "
-                    "this forward pass's splits (text and image tokens of equal or nearly equal lengths that the "
-                    "CP degree does not divide), and exchanging them would break the compiled graph. Use "
-                    "lengths the CP degree divides, or do not compile this module."
-                )
-            return [row[0] for row in collectives.exchange_lengths([x.shape[dim]], self.group, x.device)]
+            raise ValueError(
+                f"{where}: cannot tell the CP ranks' lengths of a {x.shape[dim]}-token local sequence from "
+                "this forward pass's splits (text and image tokens of equal or nearly equal lengths that the "
+                "CP degree does not divide), and exchanging them would break the compiled graph. Use "
+                "lengths the CP degree divides, or do not compile this module."
+            )
         if self.check is not None:
             self.check.lengths(where, x, dim, lengths)
         return lengths
