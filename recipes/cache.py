@@ -99,6 +99,31 @@ def wan_encoder(pipeline, max_sequence_length: int):
     return latents, text
 
 
+def hunyuan_encoder(pipeline, max_sequence_length: int):
+    """Clips (B, F, C, H, W) -> HunyuanVideo latents (B, C, f, h, w) x the VAE's scaling factor; captions ->
+    Llama embeddings (through the pipeline's prompt template) with their padding mask, and CLIP's pooled one."""
+    from recipes.components import hunyuan_prompt_template
+
+    template = hunyuan_prompt_template(pipeline.tokenizer)
+
+    def latents(pixels: torch.Tensor) -> torch.Tensor:
+        vae = pipeline.vae
+        x = pixels.permute(0, 2, 1, 3, 4).to(vae.device, vae.dtype)  # B, F, C, H, W -> B, C, F, H, W
+        return (vae.encode(x).latent_dist.mode() * vae.config.scaling_factor).float().cpu()
+
+    def text(captions: list[str]) -> dict[str, torch.Tensor]:
+        embeds, pooled, mask = pipeline.encode_prompt(
+            captions, prompt_template=template, max_sequence_length=max_sequence_length
+        )
+        return {
+            "prompt_embeds": embeds.float().cpu(),
+            "pooled_prompt_embeds": pooled.float().cpu(),
+            "prompt_attention_mask": mask.long().cpu(),  # text padding: the transformer masks those keys
+        }
+
+    return latents, text
+
+
 def todo(samples: list[dict], folder: Path, rank: int = 0, world: int = 1) -> list[dict]:
     """This rank's share (every world-th sample, so ranks agree while others write) lacking an entry."""
     return [s for s in samples[rank::world] if not (folder / f"{s['key']}.safetensors").exists()]

@@ -1,8 +1,9 @@
 """Pipeline components: real ones from a checkpoint, or tiny random-init ones built from configs.
 
 ``load_pipeline(family, "tiny", cache_dir)`` builds a tiny pipeline of that family (Flux: transformer,
-VAE, CLIP and T5 text encoders; Wan: transformer, Wan VAE, UMT5 encoder; both with ByT5's byte
-tokenizer, which needs no vocabulary download) once, with a fixed seed (the Flux VAE fitted to the synthetic
+VAE, CLIP and T5 text encoders; Wan: transformer, Wan VAE, UMT5 encoder; HunyuanVideo: transformer,
+HunyuanVideo VAE, Llama and CLIP encoders; all with ByT5's byte tokenizer, which needs no vocabulary
+download) once, with a fixed seed (the Flux VAE fitted to the synthetic
 shapes, recipes/tiny_vae.py), saves it under ``cache_dir``
 and loads it back with ``from_pretrained``: the recipes take one code path for tiny and real checkpoints.
 """
@@ -121,9 +122,103 @@ def build_tiny_wan_pipeline(seed: int = 0):
     )
 
 
+def build_tiny_hunyuan_pipeline(seed: int = 0):
+    from diffusers import (
+        AutoencoderKLHunyuanVideo,
+        FlowMatchEulerDiscreteScheduler,
+        HunyuanVideoPipeline,
+        HunyuanVideoTransformer3DModel,
+    )
+    from transformers import ByT5Tokenizer, CLIPTextConfig, CLIPTextModel, LlamaConfig, LlamaModel
+
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        # the prompt template's system prompt is ~500 bytes before the caption: room for it and the caption
+        tokenizer = ByT5Tokenizer(model_max_length=1024)
+        # three layers: the pipeline takes the third hidden state from the end (skips the last two layers)
+        llama = LlamaModel(
+            LlamaConfig(
+                vocab_size=384,
+                hidden_size=32,
+                intermediate_size=64,
+                num_hidden_layers=3,
+                num_attention_heads=2,
+                num_key_value_heads=2,
+                max_position_embeddings=1024,
+                pad_token_id=0,
+                bos_token_id=None,
+                eos_token_id=1,
+            )
+        )
+        clip = CLIPTextModel(  # the pipeline pads CLIP's prompt to 77 tokens
+            CLIPTextConfig(
+                vocab_size=384,
+                hidden_size=32,
+                intermediate_size=64,
+                num_hidden_layers=1,
+                num_attention_heads=2,
+                max_position_embeddings=77,
+                projection_dim=32,
+                bos_token_id=0,
+                eos_token_id=1,
+                pad_token_id=0,
+            )
+        )
+        # 2x spatial and HunyuanVideo's 4x causal temporal compression (4k+1 frames -> k+1 latent frames)
+        vae = AutoencoderKLHunyuanVideo(
+            latent_channels=4,
+            down_block_types=["HunyuanVideoDownBlock3D"] * 3,
+            up_block_types=["HunyuanVideoUpBlock3D"] * 3,
+            block_out_channels=[8, 8, 8],
+            layers_per_block=1,
+            norm_num_groups=4,
+            scaling_factor=1.0,
+            spatial_compression_ratio=2,
+            temporal_compression_ratio=4,
+        )
+        transformer = HunyuanVideoTransformer3DModel(
+            in_channels=4,
+            out_channels=4,
+            num_attention_heads=4,
+            attention_head_dim=16,
+            num_layers=2,
+            num_single_layers=2,
+            num_refiner_layers=1,
+            text_embed_dim=32,
+            pooled_projection_dim=32,
+            rope_axes_dim=(4, 6, 6),
+        )
+    return HunyuanVideoPipeline(
+        text_encoder=llama,
+        tokenizer=tokenizer,
+        transformer=transformer,
+        vae=vae,
+        scheduler=FlowMatchEulerDiscreteScheduler(shift=HUNYUAN_SHIFT),
+        text_encoder_2=clip,
+        tokenizer_2=ByT5Tokenizer(model_max_length=77),
+    )
+
+
+HUNYUAN_SHIFT = 7.0  # HunyuanVideo's flow shift (its pipeline's scheduler; the original repo's --flow-shift 7.0)
+
+
+def hunyuan_prompt_template(tokenizer) -> dict:
+    """HunyuanVideo's prompt template for ``tokenizer``: diffusers' default, whose ``crop_start`` (95) counts the
+    system prompt's tokens in HunyuanVideo's Llama-3 tokenizer; for the tiny pipeline's byte tokenizer the same
+    template with that count in bytes, so that the crop keeps exactly the caption's tokens there too."""
+    from diffusers.pipelines.hunyuan_video.pipeline_hunyuan_video import DEFAULT_PROMPT_TEMPLATE
+    from transformers import ByT5Tokenizer
+
+    if not isinstance(tokenizer, ByT5Tokenizer):
+        return DEFAULT_PROMPT_TEMPLATE
+    system = DEFAULT_PROMPT_TEMPLATE["template"].split("{}")[0]
+    return {**DEFAULT_PROMPT_TEMPLATE, "crop_start": len(system.encode("utf-8"))}
+
+
 FAMILIES = {
     "flux": ("FluxPipeline", "FluxTransformer2DModel", build_tiny_pipeline),
     "wan": ("WanPipeline", "WanTransformer3DModel", build_tiny_wan_pipeline),
+    "hunyuan": ("HunyuanVideoPipeline", "HunyuanVideoTransformer3DModel", build_tiny_hunyuan_pipeline),
 }
 
 

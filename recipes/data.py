@@ -1,6 +1,6 @@
 """Data for the recipes: a folder of captioned images or videos -> bucketed, cached latents and text.
 
-``FluxData`` and ``WanData`` are LightningDataModules. ``setup`` (on every rank) finds the media and
+``FluxData``, ``WanData`` and ``HunyuanData`` are LightningDataModules. ``setup`` (on every rank) finds the media and
 captions (``recipes/media.py``), places each sample (one per image; one or more clips per video) in
 its nearest bucket (``recipes/buckets.py``), prints the bucket table and saves it as ``buckets.csv``
 in the run folder, then encodes what the cache lacks, spread over all ranks (``recipes/cache.py``);
@@ -39,6 +39,7 @@ from recipes.cache import (
     digest,
     encode_entries,
     flux_encoder,
+    hunyuan_encoder,
     model_fingerprint,
     todo,
     wan_encoder,
@@ -469,3 +470,34 @@ class WanData(EncodedData):
 
     def encoder(self, pipeline):
         return wan_encoder(pipeline, self.hparams.max_sequence_length)
+
+
+class HunyuanData(WanData):
+    """Video clips for HunyuanVideo; the arguments of :class:`WanData` (``num_frames``: 4k+1 for the
+    HunyuanVideo VAE, which keeps the first frame and compresses every 4 after it). The Llama text tokens
+    (``max_sequence_length``, 256 for HunyuanVideo) are split across the CP group with the video tokens."""
+
+    family = "hunyuan"
+    default_dir = "outputs/data/moving_shapes_5f"
+
+    def __init__(self, data_dir: str | None = None, *, num_frames: int = 5, **kwargs):
+        # (kwargs pass through untouched: LightningCLI reads the other arguments from WanData's signature)
+        super().__init__(data_dir, num_frames=num_frames, **kwargs)
+
+    def geometry(self):
+        from diffusers import AutoencoderKLHunyuanVideo, HunyuanVideoTransformer3DModel
+
+        path = self._pipeline_path()
+        vae = AutoencoderKLHunyuanVideo.load_config(path, subfolder="vae")
+        config = HunyuanVideoTransformer3DModel.load_config(path, subfolder="transformer")
+        spatial, temporal = vae["spatial_compression_ratio"], vae["temporal_compression_ratio"]
+        return spatial * config["patch_size"], temporal, config["patch_size_t"]
+
+    def tokens(self, bucket):
+        multiple, temporal, patch_t = self.geometry()
+        latent_frames = ((bucket.frames - 1) // temporal + 1) // patch_t
+        video = latent_frames * (bucket.height // multiple) * (bucket.width // multiple)
+        return video, self.hparams.max_sequence_length  # the text is split with the video (joint attention)
+
+    def encoder(self, pipeline):
+        return hunyuan_encoder(pipeline, self.hparams.max_sequence_length)

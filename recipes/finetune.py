@@ -250,8 +250,20 @@ class RecipeCLI(LightningCLI):
             parser.link_arguments("out_dir", f"{key}.out_dir")
 
     def before_fit(self) -> None:
+        from recipes import lora
+
         h = self.model.hparams
         training.check_schedule(h.lr_scheduler, h.warmup_steps, self.trainer.max_steps)
+        family = self.model_class.family
+        for section in ("export", "checkpoint"):
+            key = "format" if section == "export" else "export_format"
+            fmt = self.config[self.subcommand][section][key]
+            if fmt == "comfyui" and family not in lora.COMFYUI_FAMILIES:
+                raise ValueError(
+                    f"{section}.{key}=comfyui: there is no ComfyUI LoRA layout for the {family} recipe (only for "
+                    f"{', '.join(lora.COMFYUI_FAMILIES)}); export in the diffusers format (the default, which "
+                    "pipeline.load_lora_weights reads)."
+                )
 
 
 def cli(module_class, data_class, args=None, **kwargs) -> LightningCLI:

@@ -25,6 +25,8 @@ import torch
 WEIGHT_NAME = "pytorch_lora_weights.safetensors"  # diffusers' file name
 COMFYUI_NAME = "lora_comfyui.safetensors"
 FORMATS = ("diffusers", "comfyui")
+COMFYUI_FAMILIES = ("flux", "wan")  # families with a ComfyUI layout below
+BASE_MODEL_VERSIONS = {"flux": "flux1", "wan": "wan", "hunyuan": "hunyuan_video"}  # kohya's ss_base_model_version
 
 # Flux: diffusers module (under a block) -> (original layer, member index, members of the fused layer)
 _FLUX_DOUBLE = {
@@ -238,7 +240,7 @@ def metadata(pl_module, *, step: int, epoch: int, ema: bool, fmt: str) -> dict[s
         "ss_network_module": "networks.lora",
         "ss_network_dim": str(h.lora_rank),
         "ss_network_alpha": str(h.lora_rank),
-        "ss_base_model_version": {"flux": "flux1", "wan": "wan"}.get(pl_module.family, pl_module.family),
+        "ss_base_model_version": BASE_MODEL_VERSIONS.get(pl_module.family, pl_module.family),
         "ss_steps": str(step),
         "ss_epoch": str(epoch),
         "ss_learning_rate": str(h.learning_rate),

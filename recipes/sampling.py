@@ -1,7 +1,7 @@
 """Validation samples during training, rendered by the real pipeline with the transformer still context parallel.
 
-:class:`SampleFlux` / :class:`SampleWan` render fixed prompts with fixed seeds (prompt i uses seed + i) at
-step 0 (the baseline), every ``every_n_steps`` and at the end of training. Every rank takes part: the
+:class:`SampleFlux` / :class:`SampleWan` / :class:`SampleHunyuan` render fixed prompts with fixed seeds (prompt i
+uses seed + i) at step 0 (the baseline), every ``every_n_steps`` and at the end of training. Every rank takes part: the
 training transformer (LoRA and all, parallelized by the strategy) is the pipeline's transformer, so each
 rank of a CP group runs the denoising loop on its sequence shard (a 720p video is sampled by the whole
 group), and the data-parallel groups split the prompts. The pipeline's text encoders run once, at the
@@ -33,9 +33,10 @@ class Samples(L.Callback):
         prompts: fixed prompts; prompt i is rendered with seed ``seed + i``.
         resolution: sample height in pixels (and width, unless ``width`` is given).
         width: sample width in pixels.
-        num_frames: frames per video sample (Wan).
+        num_frames: frames per video sample (Wan, HunyuanVideo).
         num_inference_steps: denoising steps.
-        guidance_scale: classifier-free guidance for Wan (default 5.0); Flux's distilled guidance value.
+        guidance_scale: classifier-free guidance for Wan (default 5.0); the distilled guidance value of Flux
+            (3.5) and HunyuanVideo (6.0).
         negative_prompt: Wan's negative prompt for classifier-free guidance.
         max_sequence_length: text tokens per prompt.
         seed: seed of the first prompt.
@@ -232,7 +233,36 @@ class SampleWan(Samples):
         return np.asarray(frames[0], dtype=np.float32)  # F, H, W, 3
 
 
-SAMPLERS = {"flux": SampleFlux, "wan": SampleWan}
+class SampleHunyuan(Samples):
+    __doc__ = Samples.__doc__
+    family = "hunyuan"
+    default_guidance = 6.0  # HunyuanVideo's embedded (distilled) guidance at inference, the pipeline's default
+
+    def encode(self, pipeline, prompt):
+        from recipes.components import hunyuan_prompt_template
+
+        embeds, pooled, mask = pipeline.encode_prompt(
+            prompt,
+            prompt_template=hunyuan_prompt_template(pipeline.tokenizer),
+            max_sequence_length=self.max_sequence_length,
+        )
+        return {"prompt_embeds": embeds, "pooled_prompt_embeds": pooled, "prompt_attention_mask": mask}
+
+    def render(self, pipeline, embeds, seed):
+        frames = pipeline(
+            **embeds,
+            height=self.height,
+            width=self.width,
+            num_frames=self.num_frames,
+            num_inference_steps=self.steps,
+            guidance_scale=self.guidance,
+            generator=torch.Generator().manual_seed(seed),
+            output_type="np",
+        ).frames
+        return np.asarray(frames[0], dtype=np.float32)  # F, H, W, 3
+
+
+SAMPLERS = {"flux": SampleFlux, "wan": SampleWan, "hunyuan": SampleHunyuan}
 
 
 def render_grid(sampler: Samples, pipeline, path: Path) -> None:

@@ -25,6 +25,7 @@ REAL = {
     "wan2.1_t2v_14b_lora_fsdp_cp8.yaml": "wan2.1-t2v-14b-transformer.json",
     "wan2.2_ti2v_5b_lora_cp4.yaml": "wan2.2-ti2v-5b-transformer.json",
     "wan2.2_t2v_a14b_lora_cp8.yaml": "wan2.2-t2v-a14b-transformer.json",
+    "hunyuanvideo_lora_720p_cp8.yaml": "hunyuanvideo-transformer.json",
 }
 PARAMS = {
     "flux1-dev-transformer.json": (11.5e9, 12.5e9),
@@ -32,25 +33,42 @@ PARAMS = {
     "wan2.1-t2v-14b-transformer.json": (14.0e9, 14.5e9),
     "wan2.2-ti2v-5b-transformer.json": (4.8e9, 5.2e9),
     "wan2.2-t2v-a14b-transformer.json": (13.5e9, 14.5e9),  # one of its two experts
+    "hunyuanvideo-transformer.json": (12.5e9, 13.2e9),
 }
 VAE_SPATIAL = {"wan2.2-ti2v-5b-transformer.json": 16}  # Wan2.2's VAE; the others downsample 8x
 # the presets of the training issue state a memory figure that the shared estimate must reproduce
-PRESETS = {"flux1_dev_lora_1024_buckets_cp4.yaml", "wan2.2_ti2v_5b_lora_cp4.yaml", "wan2.2_t2v_a14b_lora_cp8.yaml"}
+PRESETS = {
+    "flux1_dev_lora_1024_buckets_cp4.yaml",
+    "wan2.2_ti2v_5b_lora_cp4.yaml",
+    "wan2.2_t2v_a14b_lora_cp8.yaml",
+    "hunyuanvideo_lora_720p_cp8.yaml",
+}
 
 
 def family(config: Path) -> str:
-    return "wan" if "wan" in config.name else "flux"
+    return next((f for f in ("wan", "hunyuan") if f in config.name), "flux")
+
+
+def recipe(config: Path):
+    """The (module, data) classes of a config's recipe."""
+    from recipes.data import FluxData, HunyuanData, WanData
+    from recipes.flux import FluxFineTune
+    from recipes.hunyuan import HunyuanFineTune
+    from recipes.wan import WanFineTune
+
+    return {
+        "flux": (FluxFineTune, FluxData),
+        "wan": (WanFineTune, WanData),
+        "hunyuan": (HunyuanFineTune, HunyuanData),
+    }[family(config)]
 
 
 @pytest.mark.parametrize("config", CONFIGS, ids=[c.name for c in CONFIGS])
 def test_config_parses_and_instantiates(config, monkeypatch):
     from cp_lightning import ContextParallelStrategy
-    from recipes.data import FluxData, WanData
     from recipes.finetune import cli as recipe_cli
-    from recipes.flux import FluxFineTune
-    from recipes.wan import WanFineTune
 
-    module, data = (WanFineTune, WanData) if family(config) == "wan" else (FluxFineTune, FluxData)
+    module, data = recipe(config)
     raw = yaml.safe_load(config.read_text())
     devices = raw["trainer"]["devices"]
     # build the Trainer on CPU with the config's device count: the strategy checks its layout there
@@ -87,19 +105,20 @@ def test_real_config_fits_its_architecture(config):
     else:
         height, width = data["resolution"] // factor, data.get("width", data["resolution"]) // factor
     tokens = (height // 2) * (width // 2)  # 2x2 patches
-    if family(ROOT / "configs" / config) == "wan":
-        tokens *= (data["num_frames"] - 1) // 4 + 1  # Wan's VAEs: 4x temporal, first frame kept
-    else:
-        assert data["max_sequence_length"] % cp == 0  # Flux splits its text tokens too
+    kind = family(ROOT / "configs" / config)
+    if kind != "flux":
+        tokens *= (data["num_frames"] - 1) // 4 + 1  # Wan's and HunyuanVideo's VAEs: 4x temporal, first frame kept
+    split_text = data["max_sequence_length"] if kind != "wan" else 0  # Flux and HunyuanVideo split their text too
+    assert split_text % cp == 0
     text = (ROOT / "configs" / config).read_text()
     if not data.get("aspect_ratios"):
         assert tokens % cp == 0, (tokens, cp)
-        assert f"{tokens // cp} per GPU" in text or family(ROOT / "configs" / config) == "flux"
+        assert f"{tokens // cp} per GPU" in text or kind == "flux"
     low, high = PARAMS[REAL[config]]
     params = sum(p.numel() for p in model.parameters())
     assert low < params < high, params  # the memory estimate in the config rests on this count
     if config in PRESETS:
-        _check_memory_estimate(model, raw, text, tokens + (data["max_sequence_length"] if "flux" in config else 0))
+        _check_memory_estimate(model, raw, text, tokens + split_text, recipe(ROOT / "configs" / config)[0])
 
 
 FSDP = sorted(c for c in REAL if "fsdp" in c)
@@ -117,8 +136,6 @@ def test_fsdp_config_shards_its_architecture_and_states_the_sharded_bytes(config
     from peft import LoraConfig
 
     from cp_lightning.data_parallel import FSDPOptions, check_fsdp_model
-    from recipes.flux import FluxFineTune
-    from recipes.wan import WanFineTune
 
     text = (ROOT / "configs" / config).read_text()
     raw = yaml.safe_load(text)
@@ -127,13 +144,10 @@ def test_fsdp_config_shards_its_architecture_and_states_the_sharded_bytes(config
     arch = json.loads((ROOT / "configs" / "architectures" / REAL[config]).read_text())
     with init_empty_weights():
         model = getattr(diffusers, arch["_class_name"]).from_config(arch)
-    rank, recipe = (
-        raw["model"]["lora_rank"],
-        WanFineTune if family(ROOT / "configs" / config) == "wan" else FluxFineTune,
-    )
+    rank, module = raw["model"]["lora_rank"], recipe(ROOT / "configs" / config)[0]
     if rank:
         model.requires_grad_(False)
-        model.add_adapter(LoraConfig(r=rank, lora_alpha=rank, target_modules=recipe.lora_targets))
+        model.add_adapter(LoraConfig(r=rank, lora_alpha=rank, target_modules=module.lora_targets))
     options = FSDPOptions(hsdp=cp_args.get("hsdp", False), blocks=cp_args.get("fsdp_blocks"))
     check_fsdp_model(model, None, options)  # repeated blocks found, nothing trainable left outside them
     frozen_bytes = 2 if raw["model"]["weights_dtype"] == "bfloat16" else 4
@@ -143,18 +157,16 @@ def test_fsdp_config_shards_its_architecture_and_states_the_sharded_bytes(config
     assert abs(total / ranks / 2**30 - stated) <= 0.05 * stated, (total / ranks / 2**30, stated)
 
 
-def _check_memory_estimate(model, raw, text, tokens):
+def _check_memory_estimate(model, raw, text, tokens, module):
     """The config's "about N GiB" is the shared estimate (recipes.buckets) for its model, LoRA and layout."""
     import re
 
     import torch
 
     from recipes.buckets import memory_estimate_gib
-    from recipes.flux import FluxFineTune
-    from recipes.wan import WanFineTune
 
     m = raw["model"]
-    targets = m.get("lora_targets") or (WanFineTune if "wan" in m["pretrained"].lower() else FluxFineTune).lora_targets
+    targets = m.get("lora_targets") or module.lora_targets
     rank = m["lora_rank"]
     trainable = sum(
         rank * (mod.in_features + mod.out_features)

@@ -21,6 +21,7 @@ import torch
 from tests.distributed import spawn
 from tests.test_recipes import ROOT, losses, run_recipe
 
+FAMILIES = ("flux", "wan", "hunyuan")  # the recipes whose CP-rendered samples are compared
 COMMON = (
     "--trainer.max_steps=6",
     "--samples.every_n_steps=2",
@@ -64,8 +65,13 @@ def _pipeline(tmp: Path, family: str = "flux"):
 def _render(pipe, family: str = "flux", prompt_index: int = 0, steps: int = 2) -> np.ndarray:
     from recipes.sampling import SAMPLERS
 
-    # Flux: the tiny config's guidance 1.0; Wan: the default classifier-free guidance 5.0
-    extra = {"num_frames": 4, "prompts": ["a red circle moving right"]} if family == "wan" else {"guidance_scale": 1.0}
+    # Flux: the tiny config's guidance 1.0; Wan: the default classifier-free guidance 5.0; HunyuanVideo: its
+    # default embedded guidance 6.0, the text padded (the joint [video, text] key mask is split)
+    extra = {
+        "flux": {"guidance_scale": 1.0},
+        "wan": {"num_frames": 4, "prompts": ["a red circle moving right"]},
+        "hunyuan": {"num_frames": 5, "prompts": ["a red circle"], "max_sequence_length": 48},  # 23 of 48 tokens text
+    }[family]
     sampler = SAMPLERS[family](num_inference_steps=steps, **extra)
     with torch.no_grad():
         return sampler.render(pipe, sampler.encode(pipe, sampler.prompts[prompt_index]), sampler.seed + prompt_index)
@@ -91,12 +97,12 @@ def test_the_step0_sample_rendered_with_cp_is_the_one_process_sample(runs):
 
 
 def _cp_render(rank, world, cache):
-    """Flux and Wan samples of a perturbed tiny base (all layers matter), at cp=world."""
+    """Flux, Wan and HunyuanVideo samples of a perturbed tiny base (all layers matter), at cp=world."""
     from cp_lightning import build_mesh, parallelize
     from recipes.components import load_pipeline
 
     out = {}
-    for family in ("flux", "wan"):
+    for family in FAMILIES:
         pipe = load_pipeline(family, "tiny", cache)
         pipe.set_progress_bar_config(disable=True)
         with torch.no_grad():
@@ -112,10 +118,12 @@ def test_a_cp_rendered_sample_equals_the_one_process_sample(runs):
     from recipes.components import resolve_pretrained
 
     cache = runs["tmp"] / "cache"
-    resolve_pretrained("wan", "tiny", cache)
+    for family in FAMILIES:
+        resolve_pretrained(family, "tiny", cache)
     results = spawn(_cp_render, 2, cache)
     single = _cp_render(0, 1, cache)
-    for family in ("flux", "wan"):  # Wan: classifier-free guidance 5.0, two transformer passes per step
+    # Wan: classifier-free guidance 5.0, two transformer passes per step; HunyuanVideo: video and text split
+    for family in FAMILIES:
         for sample in results:
             np.testing.assert_allclose(sample[family], single[family], atol=1e-5)
 
