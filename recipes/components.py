@@ -241,6 +241,17 @@ def load_pipeline(family: str, pretrained: str, cache_dir: str | Path, **kwargs)
     return cls.from_pretrained(resolve_pretrained(family, pretrained, cache_dir), **kwargs)
 
 
+def load_encoders(family: str, pretrained: str, cache_dir: str | Path, **kwargs):
+    """The family's pipeline without its transformer(s), for caching latents and text: a 12-14B transformer never
+    shares the GPU with the text encoders (HunyuanVideo's Llama-3 8B, Flux's and Wan's T5)."""
+    import diffusers
+
+    cls = getattr(diffusers, FAMILIES[family][0])
+    path = resolve_pretrained(family, pretrained, cache_dir)
+    slots = {name: None for name in ("transformer", "transformer_2") if name in cls.load_config(path)}
+    return cls.from_pretrained(path, **slots, **kwargs)
+
+
 def load_transformer(family: str, pretrained: str, cache_dir: str | Path, subfolder: str = "transformer", **kwargs):
     """The family's transformer from ``subfolder`` (Wan2.2 A14B keeps its low-noise expert in ``transformer_2``)."""
     import diffusers

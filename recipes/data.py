@@ -291,10 +291,10 @@ class EncodedData(L.LightningDataModule):
             raise SystemExit(0)
         folder = self.cache_folder
         if todo(samples, folder, rank, world) or (rank == 0 and not (folder / f"{EMPTY}.safetensors").exists()):
-            from recipes.components import load_pipeline
+            from recipes.components import load_encoders
 
             dtype = getattr(torch, h.encode_dtype)
-            pipeline = load_pipeline(self.family, h.pretrained, h.cache_dir, dtype=dtype)
+            pipeline = load_encoders(self.family, h.pretrained, h.cache_dir, dtype=dtype)
             device = self.trainer.strategy.root_device if self.trainer is not None else torch.device("cpu")
             pipeline.to(device)  # each rank encodes its share on its own device
             if h.vae_tiling:
