@@ -41,6 +41,8 @@ class Samples(L.Callback):
         max_sequence_length: text tokens per prompt.
         seed: seed of the first prompt.
         fps: frame rate of the video files.
+        vae_tiling: decode with the VAE's spatial tiling (720p videos: the untiled decoder's activations alone
+            outgrow a GPU).
     """
 
     family = ""
@@ -61,6 +63,7 @@ class Samples(L.Callback):
         max_sequence_length: int = 32,
         seed: int = 0,
         fps: int = 8,
+        vae_tiling: bool = False,
     ):
         if every_n_steps < 0:
             raise ValueError(f"every_n_steps must be >= 0 (0: only at step 0 and at the end), got {every_n_steps}.")
@@ -71,6 +74,7 @@ class Samples(L.Callback):
         self.num_frames, self.steps, self.max_sequence_length = num_frames, num_inference_steps, max_sequence_length
         self.guidance = self.default_guidance if guidance_scale is None else guidance_scale
         self.negative_prompt, self.seed, self.fps = negative_prompt, seed, fps
+        self.vae_tiling = vae_tiling
         self.pipeline = None
         self.others: list = []  # frozen experts besides the trained transformer (Wan2.2 A14B)
         self.embeds: list[dict] = []
@@ -100,6 +104,8 @@ class Samples(L.Callback):
         pipeline.register_modules(**dict.fromkeys(others))
         pipeline.to(pl_module.device)
         pipeline.set_progress_bar_config(disable=True)
+        if self.vae_tiling:
+            pipeline.vae.enable_tiling()
         with torch.no_grad():
             self.embeds = [self.encode(pipeline, prompt) for prompt in self.prompts]
         # the text encoders are not needed again: free their memory before training goes on

@@ -85,6 +85,7 @@ def test_resume_from_a_light_checkpoint_is_exact(runs):
 
 def test_one_process_trains_like_the_cp2_group(runs, tmp_path):
     layout = ("--trainer.strategy=auto", "--trainer.devices=1", "--trainer.max_steps=2", "--samples.every_n_steps=0")
+    layout += ("--samples.vae_tiling=true",)  # the preset's sampling option (no tiles at 32 px)
     single = run_recipe(tmp_path, "cp1", *layout, cache=runs["tmp"], recipe="hunyuan")
     # the same t draws (the fixed shift 7.0, per-sample generators), the same losses
     assert losses(single, "t") == losses(runs["straight"], "t")[:2]
