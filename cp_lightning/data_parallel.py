@@ -409,10 +409,14 @@ def export_lora(module: nn.Module, directory, pipeline_class=None) -> None:
     save_file(state, directory / "pytorch_lora_weights.safetensors", metadata={"format": "pt"})
 
 
-def check_checkpoint_layout(path, module: nn.Module, dp_size: int, prefix: str = "state_dict.") -> None:
+def check_checkpoint_layout(
+    path, module: nn.Module, dp_size: int, prefix: str = "state_dict.", *, strict: bool = True
+) -> None:
     """Check, before any collective, that the sharded checkpoint at ``path`` can be resharded into ``module``
-    at a data-parallel degree of ``dp_size``: every tensor present with its global shape, and an RNG state for
-    every dp rank. A full (single-file) checkpoint passes: it is broadcast from rank 0 whatever the layout."""
+    at a data-parallel degree of ``dp_size``: every tensor present with its global shape (``strict=False``, a
+    light checkpoint: every trainable parameter; frozen ones may be left out, they come from the pretrained
+    weights), and an RNG state for every dp rank. A full (single-file) checkpoint passes: it is broadcast from
+    rank 0 whatever the layout."""
     from pathlib import Path
 
     from torch.distributed.checkpoint import FileSystemReader
@@ -424,10 +428,12 @@ def check_checkpoint_layout(path, module: nn.Module, dp_size: int, prefix: str =
         raise ValueError(f"{path} is not a torch.distributed.checkpoint directory (it has no .metadata file).")
     saved = FileSystemReader(str(path)).read_metadata().state_dict_metadata
     problems = []
+    trainable = {name for name, p in module.named_parameters() if p.requires_grad}
     for name, tensor in module.state_dict().items():
         key = prefix + name
         if key not in saved:
-            problems.append(f"{name} is missing")
+            if strict or name in trainable:
+                problems.append(f"{name} is missing" + ("" if strict else " (a trainable parameter)"))
         elif hasattr(saved[key], "size") and tuple(saved[key].size) != tuple(tensor.shape):
             problems.append(f"{name} has shape {tuple(saved[key].size)}, the model {tuple(tensor.shape)}")
     if problems:

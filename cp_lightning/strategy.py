@@ -35,7 +35,7 @@ from lightning.pytorch.strategies.launchers.subprocess_script import _Subprocess
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from cp_lightning import data_parallel, faults
+from cp_lightning import data_parallel, faults, sharded_checkpoint
 from cp_lightning.checkpoint_io import AtomicCheckpointIO, repair_epoch_progress
 from cp_lightning.compilation import compile_options, compile_targets
 from cp_lightning.mesh import CP, DP, build_mesh
@@ -370,18 +370,10 @@ class ContextParallelStrategy(_ContextParallel, DDPStrategy):
             return super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
         if storage_options is not None:
             raise TypeError("fsdp=True writes torch.distributed.checkpoint directories; drop storage_options.")
-        from lightning.fabric.strategies.model_parallel import _distributed_checkpoint_save
-        from lightning.fabric.utilities.load import _METADATA_FILENAME
-
         path = Path(self.broadcast(filepath))
         if path.is_file():
             path.unlink()
-        path.mkdir(parents=True, exist_ok=True)
-        state = {"state_dict": checkpoint.pop("state_dict")}
-        state.update({f"optimizer_{i}": s for i, s in enumerate(checkpoint.pop("optimizer_states", []))})
-        _distributed_checkpoint_save(state, path)
-        if self.global_rank == 0:
-            torch.save(checkpoint, path / _METADATA_FILENAME)
+        sharded_checkpoint.save(checkpoint, path, self.global_rank)
 
     def load_checkpoint(self, checkpoint_path, *args, **kwargs) -> dict:
         path = Path(self.broadcast(checkpoint_path))
@@ -392,10 +384,9 @@ class ContextParallelStrategy(_ContextParallel, DDPStrategy):
                     "ContextParallelStrategy(..., fsdp=True), at any dp x cp layout."
                 )
             checkpoint = super().load_checkpoint(checkpoint_path, *args, **kwargs)
-        else:
+        elif path.is_file():  # a full checkpoint into the sharded model: broadcast from rank 0
             from lightning.fabric.strategies.model_parallel import _load_checkpoint
 
-            data_parallel.check_checkpoint_layout(path, self.model, self.dp_size)  # no collectives
             state = {"state_dict": self.model, **{f"optimizer_{i}": o for i, o in enumerate(self.optimizers)}}
             checkpoint = _load_checkpoint(
                 path=path,
@@ -403,6 +394,13 @@ class ContextParallelStrategy(_ContextParallel, DDPStrategy):
                 strict=self.lightning_module.strict_loading,
                 optimizer_states_from_list=True,
                 weights_only=kwargs.get("weights_only"),
+            )
+        else:
+            # a light checkpoint (strict_loading False) may hold the trainable tensors only
+            strict = self.lightning_module.strict_loading
+            data_parallel.check_checkpoint_layout(path, self.model, self.dp_size, strict=strict)  # no collectives
+            checkpoint = sharded_checkpoint.load(
+                path, self.model, self.optimizers, strict=strict, weights_only=kwargs.get("weights_only")
             )
         repair_epoch_progress(checkpoint)  # else a second resume re-shuffles with the previous epoch's seed
         state = checkpoint.get("cp_lightning", {})

@@ -139,6 +139,9 @@ class LightCheckpoint(ModelCheckpoint):
             every_n_train_steps=every_n_steps,
             every_n_epochs=0,
             save_on_train_epoch_end=False,
+            # step_<N> names are unique, and a resumed run must relink last.ckpt rather than add a last-v1.ckpt
+            # beside it (the checkpoint it resumed from recorded no last_model_path: last is linked after it)
+            enable_version_counter=False,
         )
         self.export_format = export_format
 

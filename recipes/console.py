@@ -52,6 +52,22 @@ class StepProgressBar(RichProgressBar):
             return super()._get_train_description(current_epoch)
         return f"Epoch {current_epoch}"
 
+    @property
+    def total_train_batches(self) -> int | float:
+        """The batches this epoch runs: those already run in it plus what the remaining steps need.
+
+        Lightning's own total is ``min(epoch length, remaining steps)``; a run resumed inside an epoch creates
+        its bar after the first resumed batch, when the steps left are fewer than the batches that epoch has
+        already counted (``6/2`` instead of ``6/6``).
+        """
+        trainer = self.trainer
+        total = trainer.num_training_batches
+        if trainer.max_epochs == -1 and trainer.max_steps is not None and trainer.max_steps > 0:
+            done = trainer.fit_loop.epoch_loop.batch_progress.current.processed
+            remaining = (trainer.max_steps - trainer.global_step) * trainer.accumulate_grad_batches
+            return min(total, done + remaining)
+        return total
+
     def get_metrics(self, trainer, pl_module):
         items = super().get_metrics(trainer, pl_module)
         if trainer.max_steps and trainer.max_steps > 0:

@@ -182,6 +182,8 @@ class FlowMatchingFineTune(L.LightningModule):
         """AdamW over the trainable parameters and its per-step learning-rate schedule."""
         h = self.hparams
         params = [p for _, p in self.trainable_parameters()]
+        if self.ema is not None:  # (created in configure_model, before FSDP replaced the parameters by shards)
+            self.ema.follow(self.trainable_parameters())
         optimizer = torch.optim.AdamW(params, lr=h.learning_rate, weight_decay=1e-4)
         return optimizer, training.lr_schedule(optimizer, h.lr_scheduler, h.warmup_steps, total_steps)
 
@@ -193,19 +195,19 @@ class FlowMatchingFineTune(L.LightningModule):
 
     # -- light checkpoints --------------------------------------------------------------------------
     def on_save_checkpoint(self, checkpoint: dict) -> None:
-        """Keep only the trainable parameters (DDP): the frozen base is reloaded from ``pretrained``."""
-        if not getattr(self.trainer.strategy, "fsdp", False):
-            # FSDP's sharded checkpoints keep the whole (sharded) model: its loader reshards every tensor
-            trainable = {name for name, _ in self.trainable_parameters()}
-            checkpoint["state_dict"] = {k: v for k, v in checkpoint["state_dict"].items() if k in trainable}
+        """Keep only the trainable parameters (DDP and FSDP): the frozen base is reloaded from ``pretrained``.
+        A full fine-tune trains every parameter, so it keeps them all."""
+        trainable = {name for name, _ in self.trainable_parameters()}
+        checkpoint["state_dict"] = {k: v for k, v in checkpoint["state_dict"].items() if k in trainable}
         checkpoint["recipe"] = self.checkpoint_identity()
-        if self.ema is not None:
+        if self.ema is not None:  # FSDP: sharded like the parameters, written by every rank
             checkpoint["ema"] = self.ema.state_dict()
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         from recipes.checkpoints import check_identity
 
-        # (FSDP's sharded checkpoints load their tensors in place: no "state_dict" entry to compare then)
+        # (FSDP's sharded checkpoints load their tensors in place, after a layout check that names a missing
+        # or reshaped trainable tensor: no "state_dict" entry to compare then)
         check_identity(checkpoint.get("recipe"), self.checkpoint_identity(), checkpoint.get("state_dict"))
         if self.ema is not None and "ema" in checkpoint:
             self.ema.load_state_dict(checkpoint["ema"])

@@ -133,6 +133,15 @@ class TrainableEMA:
         self.params = [p for _, p in named_params]
         self.shadow = [p.detach().float().clone() for p in self.params]
 
+    def follow(self, named_params: list[tuple[str, torch.nn.Parameter]]) -> None:
+        """Track ``named_params`` (the same names) from now on: FSDP2 replaces each parameter by a sharded
+        one, and an EMA of the old objects would average stale weights. Each shadow is split like its new
+        parameter (locally, no collectives); the values are kept."""
+        if [name for name, _ in named_params] != self.names:
+            raise ValueError("TrainableEMA.follow needs the parameters it was created with (the same names).")
+        self.params = [p for _, p in named_params]
+        self.shadow = [_placed_like(s, p) for s, p in zip(self.shadow, self.params, strict=True)]
+
     @torch.no_grad()
     def update(self) -> None:
         torch._foreach_lerp_(self.shadow, [p.detach().float() for p in self.params], 1.0 - self.decay)
@@ -150,5 +159,23 @@ class TrainableEMA:
         if sorted(state) != sorted(self.names):
             raise ValueError("the checkpoint's EMA holds other parameters than this model trains (another LoRA?).")
         self.shadow = [
-            state[name].float().clone().to(p.device) for name, p in zip(self.names, self.params, strict=True)
+            _placed_like(state[name].float().clone(), p) for name, p in zip(self.names, self.params, strict=True)
         ]
+
+
+def _placed_like(tensor: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+    """``tensor`` (a full tensor, or a DTensor) on ``param``'s device and, for an FSDP-sharded (DTensor)
+    parameter, with its sharding. A full tensor is split locally (every rank holds it; no collectives)."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    if not isinstance(param, DTensor):
+        return (tensor.full_tensor() if isinstance(tensor, DTensor) else tensor).to(param.device)
+    if isinstance(tensor, DTensor) and tensor.placements == param.placements:
+        local = tensor.to_local()
+    else:
+        full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+        local = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None).to_local()
+    # (with CPU offload the parameter's shard lives on the CPU, not on the mesh's device)
+    return DTensor.from_local(
+        local.to(param.to_local().device), param.device_mesh, param.placements, shape=param.shape, stride=param.stride()
+    )

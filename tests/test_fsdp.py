@@ -535,3 +535,23 @@ def test_a_lightning_cli_yaml_sets_the_fsdp_options(tmp_path):
     assert isinstance(strategy, ContextParallelStrategy) and strategy.fsdp
     options = strategy.fsdp_options
     assert (options.hsdp, options.reshard_after_forward, options.blocks) == (True, False, ("FluxTransformerBlock",))
+
+
+def test_a_light_checkpoint_may_leave_out_frozen_tensors_but_no_trainable_one(tmp_path):
+    import torch.distributed.checkpoint as dcp
+
+    from cp_lightning.data_parallel import check_checkpoint_layout
+
+    model = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.Linear(3, 2))
+    model[0].requires_grad_(False)  # the frozen base; model[1] trains
+    light, base = tmp_path / "light", tmp_path / "base"
+    dcp.save({"state_dict": {k: v for k, v in model.state_dict().items() if k.startswith("1.")}}, checkpoint_id=light)
+    dcp.save({"state_dict": {k: v for k, v in model.state_dict().items() if k.startswith("0.")}}, checkpoint_id=base)
+    check_checkpoint_layout(light, model, 1, strict=False)
+    with pytest.raises(ValueError, match=r"2 tensors differ: 0.weight is missing; 0.bias is missing"):
+        check_checkpoint_layout(light, model, 1)  # strict loading needs every tensor
+    with pytest.raises(ValueError, match=r"1.weight is missing \(a trainable parameter\)"):
+        check_checkpoint_layout(base, model, 1, strict=False)
+    model[1] = torch.nn.Linear(3, 4)  # another architecture: a shape change is an error either way
+    with pytest.raises(ValueError, match=r"1.weight has shape \(2, 3\), the model \(4, 3\)"):
+        check_checkpoint_layout(light, model, 1, strict=False)

@@ -54,6 +54,19 @@ def runs(tmp_path_factory):
     return {"tmp": tmp, "straight": straight, "resumed": resumed, "first": first}
 
 
+@pytest.fixture(scope="module")
+def fsdp_runs(runs):
+    """The same three runs with the model sharded by FSDP2 (configs/tiny_flux_fsdp_cp2.yaml: dp1 x cp2)."""
+    tmp = runs["tmp"] / "fsdp"
+    tmp.mkdir()
+    sharded = {"cache": runs["tmp"], "variant": "fsdp_"}
+    straight = run_recipe(tmp, "straight", *COMMON, **sharded)
+    stop = json.dumps({"class_path": f"{__name__}.StopAt", "init_args": {"step": 3}})
+    first = losses(run_recipe(tmp, "resumed", *COMMON, f"--trainer.callbacks+={stop}", **sharded))
+    resumed = run_recipe(tmp, "resumed", *COMMON, "--ckpt_path=last", **sharded)
+    return {"straight": straight, "resumed": resumed, "first": first}
+
+
 def _pipeline(tmp: Path, family: str = "flux"):
     from recipes.components import load_pipeline
 
@@ -96,8 +109,64 @@ def test_the_step0_sample_rendered_with_cp_is_the_one_process_sample(runs):
         assert np.abs(row - one).max() <= 1, i  # 8-bit PNG: at most one level of rounding
 
 
-def _cp_render(rank, world, cache):
-    """Flux, Wan and HunyuanVideo samples of a perturbed tiny base (all layers matter), at cp=world."""
+def _perturb(transformer, seed: int = 0) -> None:
+    with torch.no_grad():  # every layer matters (zero-initialised gates and outputs get values)
+        for p in transformer.parameters():
+            p.add_(0.02 * torch.randn(p.shape, generator=torch.Generator().manual_seed(seed + p.numel())))
+
+
+def _two_experts(cache: Path) -> str:
+    """A tiny Wan2.2 A14B-style pipeline: two different experts and the timestep boundary 0.875 (at 3 steps of
+    the tiny scheduler, t = 1000 is the high-noise expert's, 667 and 333 the low-noise expert's)."""
+    from diffusers import WanPipeline
+
+    from recipes.components import load_pipeline, load_transformer
+
+    path = cache / "tiny_wan_two_experts"
+    pipe = load_pipeline("wan", "tiny", cache)
+    second = load_transformer("wan", "tiny", cache)
+    _perturb(pipe.transformer)
+    _perturb(second, seed=1)
+    parts = {k: getattr(pipe, k) for k in ("tokenizer", "text_encoder", "vae", "transformer", "scheduler")}
+    WanPipeline(**parts, transformer_2=second, boundary_ratio=0.875).save_pretrained(path)
+    return str(path)
+
+
+def _sample_two_experts(rank, world, cache, path):
+    """recipes.sampling's own set-up and rendering while the high-noise expert trains at cp=world: the frozen
+    low-noise expert is loaded, parallelized and parked on the CPU by the sampler."""
+    from contextlib import nullcontext
+    from types import SimpleNamespace
+
+    from cp_lightning import build_mesh, parallelize
+    from cp_lightning.parallelize import parallel_state
+    from recipes.components import load_transformer
+    from recipes.sampling import SampleWan
+
+    mesh = build_mesh(cp=world)
+    trained = parallelize(load_transformer("wan", path, cache, subfolder="transformer"), mesh=mesh)
+    strategy = SimpleNamespace(cp=world, ring=1, dp_size=1, dp_rank=0, world_size=world, device_mesh=mesh)
+    trainer = SimpleNamespace(
+        strategy=strategy,
+        precision_plugin=SimpleNamespace(forward_context=nullcontext),
+        is_global_zero=rank == 0,
+        global_step=0,
+    )
+    hparams = SimpleNamespace(pretrained=path, cache_dir=str(cache), weights_dtype="float32")
+    module = SimpleNamespace(hparams=hparams, transformer_subfolder="transformer", transformer=trained)
+    module.device = torch.device("cpu")
+    sampler = SampleWan(prompts=["a red circle moving right"], num_frames=4, num_inference_steps=3)
+    sampler.prepare(trainer, module)
+    samples = sampler.render_all(trainer, module)
+    (other,) = sampler.others
+    assert sampler.pipeline.transformer is trained and sampler.pipeline.transformer_2 is other
+    assert parallel_state(other) is not None and not any(p.requires_grad for p in other.parameters())
+    return samples[0] if samples else None
+
+
+def _cp_render(rank, world, cache, two_experts=None):
+    """Flux, Wan and HunyuanVideo samples of a perturbed tiny base (all layers matter), at cp=world; the
+    two-expert Wan2.2 sample through recipes.sampling when its pipeline's path is given."""
     from cp_lightning import build_mesh, parallelize
     from recipes.components import load_pipeline
 
@@ -105,27 +174,39 @@ def _cp_render(rank, world, cache):
     for family in FAMILIES:
         pipe = load_pipeline(family, "tiny", cache)
         pipe.set_progress_bar_config(disable=True)
-        with torch.no_grad():
-            for p in pipe.transformer.parameters():
-                p.add_(0.02 * torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())))
+        _perturb(pipe.transformer)
         if world > 1:
             parallelize(pipe.transformer, mesh=build_mesh(cp=world))
         out[family] = _render(pipe, family, steps=3)
+    if two_experts:
+        out["wan2.2"] = _sample_two_experts(rank, world, cache, two_experts)
     return out
 
 
 def test_a_cp_rendered_sample_equals_the_one_process_sample(runs):
+    from diffusers import WanPipeline
+
     from recipes.components import resolve_pretrained
 
     cache = runs["tmp"] / "cache"
     for family in FAMILIES:
         resolve_pretrained(family, "tiny", cache)
-    results = spawn(_cp_render, 2, cache)
+    two_experts = _two_experts(cache)
+    results = spawn(_cp_render, 2, cache, two_experts)
     single = _cp_render(0, 1, cache)
     # Wan: classifier-free guidance 5.0, two transformer passes per step; HunyuanVideo: video and text split
     for family in FAMILIES:
         for sample in results:
             np.testing.assert_allclose(sample[family], single[family], atol=1e-5)
+    # Wan2.2 A14B: the pipeline's own two-expert loop in one process; the CP run trained one expert and
+    # sampled with the other one frozen and parallelized
+    pipe = WanPipeline.from_pretrained(two_experts)
+    pipe.set_progress_bar_config(disable=True)
+    reference = _render(pipe, "wan", steps=3)
+    np.testing.assert_allclose(results[0]["wan2.2"], reference, atol=1e-5)
+    assert results[1]["wan2.2"] is None  # rank 0 gathers the samples
+    pipe.transformer_2 = pipe.transformer  # both experts matter: one expert alone samples otherwise
+    assert np.abs(_render(pipe, "wan", steps=3) - reference).max() > 1e-3
 
 
 def test_resume_from_last_is_exact_and_checkpoints_are_light(runs):
@@ -146,6 +227,53 @@ def test_resume_from_last_is_exact_and_checkpoints_are_light(runs):
     assert checkpoint.stat().st_size <= 2 * 3 * trainable_bytes  # parameters + AdamW's two moments
     assert (runs["straight"] / "checkpoints" / "step_6_lora" / lora.WEIGHT_NAME).exists()
     assert (runs["straight"] / "checkpoints" / "last.ckpt").resolve().name == "step_6.ckpt"
+    resumed = runs["resumed"] / "checkpoints"  # relinked, no last-v1.ckpt beside it
+    assert [p.name for p in resumed.glob("last*")] == ["last.ckpt"]
+    assert (resumed / "last.ckpt").resolve().name == "step_6.ckpt"
+
+
+def test_fsdp_resume_is_exact_and_its_sharded_checkpoints_hold_the_trainable_state_only(runs, fsdp_runs):
+    from torch.distributed.checkpoint import FileSystemReader
+
+    from recipes import lora
+
+    straight, resumed = losses(fsdp_runs["straight"]), losses(fsdp_runs["resumed"])
+    assert fsdp_runs["first"] == straight[:3] and len(resumed) == 3
+    assert resumed == pytest.approx(straight[3:], abs=1e-6)  # steps 4-6, after the checkpoint of step 3
+    assert straight == pytest.approx(losses(runs["straight"]), abs=1e-4)  # FSDP2 instead of DDP: the same steps
+
+    def read(run, folder):
+        return lora.read(run / folder / lora.WEIGHT_NAME)[0]  # gathered from the shards
+
+    ema = read(fsdp_runs["straight"], "lora_ema")
+    assert sorted(ema) == sorted(read(fsdp_runs["resumed"], "lora_ema"))
+    assert all(torch.allclose(ema[k], read(fsdp_runs["resumed"], "lora_ema")[k], atol=1e-6) for k in ema)
+    # the EMA follows the sharded parameters (not the unsharded ones FSDP replaced): DDP's EMA, not the init
+    ddp_ema, raw = read(runs["straight"], "lora_ema"), read(fsdp_runs["straight"], "lora")
+    assert all(torch.allclose(ema[k], ddp_ema[k], atol=1e-5) for k in ema)
+    assert max((ema[k] - raw[k]).abs().max().item() for k in ema) > 1e-4
+    assert raw and all(k.startswith("transformer.") and "lora" in k for k in raw), list(raw)[:4]
+    assert (fsdp_runs["straight"] / "samples.png").stat().st_size > 0
+
+    checkpoints = fsdp_runs["straight"] / "checkpoints"
+    directory = checkpoints / "step_6.ckpt"  # a torch.distributed.checkpoint directory, one file per rank
+    saved = FileSystemReader(str(directory)).read_metadata().state_dict_metadata
+    model = {k.removeprefix("state_dict.") for k in saved if k.startswith("state_dict.")}
+    trainable = torch.load(directory / "meta.pt", weights_only=False)["recipe"]["trainable"]
+    assert model == set(trainable)  # the LoRA only: the frozen base is reloaded from `pretrained`
+    assert {k.removeprefix("ema.") for k in saved if k.startswith("ema.")} == model  # the EMA, sharded
+    params = sum(4 * np.prod(shape) for shape in trainable.values())
+    optimizer = sum(
+        m.properties.dtype.itemsize * np.prod(m.size)
+        for k, m in saved.items()
+        if k.startswith("optimizer_0.state.") and hasattr(m, "size")
+    )
+    size = sum(f.stat().st_size for f in directory.iterdir())
+    # parameters, AdamW's moments and the EMA; DCP adds about 1.7 kB per tensor shard (the tiny LoRA's
+    # tensors are 4-16 kB), so here the EMA is counted with the state it must hold
+    assert size <= 2 * (params + optimizer + params), (size, params, optimizer)
+    assert (checkpoints / "last.ckpt").resolve().name == "step_6.ckpt"
+    assert sorted(p.name for p in (fsdp_runs["resumed"] / "checkpoints").glob("last*")) == ["last.ckpt"]
 
 
 def test_checkpoints_that_cannot_resume_the_run_are_clear_errors(runs):

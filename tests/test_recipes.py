@@ -83,18 +83,6 @@ def test_cp1_and_cp2_give_the_same_first_losses(default_run, tmp_path):
     assert losses(single, "t") == losses(run, "t")[:3]
 
 
-def test_the_fsdp_variant_trains_like_the_default_and_exports_its_lora(default_run, tmp_path):
-    run, tmp = default_run
-    stop = '--trainer.callbacks+={"class_path": "tests.test_recipe_training.StopAt", "init_args": {"step": 3}}'
-    sharded = run_recipe(tmp_path, "fsdp", "--trainer.max_steps=30", stop, cache=tmp, variant="fsdp_")
-    assert losses(sharded) == pytest.approx(losses(run)[:3], abs=1e-4)  # FSDP2 instead of DDP: the same steps
-    from safetensors.torch import load_file
-
-    lora = load_file(sharded / "lora" / "pytorch_lora_weights.safetensors")  # gathered from the shards
-    assert lora and all(k.startswith("transformer.") and "lora" in k for k in lora), list(lora)[:4]
-    assert (sharded / "samples.png").stat().st_size > 0
-
-
 def test_the_tiny_wan_recipe_learns_samples_with_cp_and_its_lora_loads(tmp_path):
     run = run_recipe(tmp_path, "wan", "--samples.every_n_steps=2", "--samples.num_inference_steps=2", recipe="wan")
     curve = losses(run)

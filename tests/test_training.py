@@ -109,6 +109,34 @@ def test_ema_tracks_trainable_parameters_only():
     assert torch.allclose(ema.state_dict()["1.weight"], start + 1.0)
     with pytest.raises(ValueError, match="ema_decay must be in"):
         training.TrainableEMA(named, decay=1.0)
+    # parameters replaced by new objects (FSDP2 shards them): the EMA keeps its values and tracks the new ones
+    model[1].weight = torch.nn.Parameter(model[1].weight.detach() + 2.0)
+    before = ema.state_dict()["1.weight"].clone()
+    ema.follow([(n, p) for n, p in model.named_parameters() if p.requires_grad])
+    ema.update()
+    assert torch.allclose(ema.state_dict()["1.weight"], (before + model[1].weight.detach()) / 2)
+    with pytest.raises(ValueError, match="the same names"):
+        ema.follow(list(model.named_parameters()))
+
+
+def test_the_progress_bar_total_of_a_run_resumed_inside_an_epoch():
+    from types import SimpleNamespace
+
+    from recipes.console import StepProgressBar
+
+    def trainer(step: int, batches_done: int, max_steps: int = 6):
+        progress = SimpleNamespace(current=SimpleNamespace(processed=batches_done))
+        loop = SimpleNamespace(epoch_loop=SimpleNamespace(batch_progress=progress))
+        limits = {"max_epochs": -1, "max_steps": max_steps, "accumulate_grad_batches": 1}
+        return SimpleNamespace(num_training_batches=64, global_step=step, fit_loop=loop, **limits)
+
+    bar = StepProgressBar()
+    bar._trainer = trainer(0, 0)  # a fresh 6-step run: the bar starts with the epoch
+    assert bar.total_train_batches == 6
+    bar._trainer = trainer(4, 4)  # resumed after step 3: the bar appears after the 4th batch (Lightning: 2)
+    assert bar.total_train_batches == 6
+    bar._trainer = trainer(64, 0, max_steps=100)  # the second epoch of a 100-step run
+    assert bar.total_train_batches == 36
 
 
 def test_wan22_a14b_experts_train_on_their_side_of_the_boundary():
