@@ -56,7 +56,8 @@ def runs(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def fsdp_runs(runs):
-    """The same three runs with the model sharded by FSDP2 (configs/tiny_flux_fsdp_cp2.yaml: dp1 x cp2)."""
+    """The same three runs with the model sharded by FSDP2 (configs/tiny_flux_fsdp_cp2.yaml: dp1 x cp2), and the
+    straight run's step-3 checkpoint resumed in one process."""
     tmp = runs["tmp"] / "fsdp"
     tmp.mkdir()
     sharded = {"cache": runs["tmp"], "variant": "fsdp_"}
@@ -64,7 +65,11 @@ def fsdp_runs(runs):
     stop = json.dumps({"class_path": f"{__name__}.StopAt", "init_args": {"step": 3}})
     first = losses(run_recipe(tmp, "resumed", *COMMON, f"--trainer.callbacks+={stop}", **sharded))
     resumed = run_recipe(tmp, "resumed", *COMMON, "--ckpt_path=last", **sharded)
-    return {"straight": straight, "resumed": resumed, "first": first}
+    # the straight run's step-3 checkpoint resharded into one process (cp=1): another layout, same dp
+    step3 = f"--ckpt_path={straight}/checkpoints/step_3.ckpt"
+    one = ("--trainer.devices=1", "--trainer.strategy.init_args.cp=1")
+    resharded = run_recipe(tmp, "resharded", *COMMON, step3, *one, **sharded)
+    return {"straight": straight, "resumed": resumed, "first": first, "resharded": resharded}
 
 
 def _pipeline(tmp: Path, family: str = "flux"):
@@ -241,6 +246,7 @@ def test_fsdp_resume_is_exact_and_its_sharded_checkpoints_hold_the_trainable_sta
     assert fsdp_runs["first"] == straight[:3] and len(resumed) == 3
     assert resumed == pytest.approx(straight[3:], abs=1e-6)  # steps 4-6, after the checkpoint of step 3
     assert straight == pytest.approx(losses(runs["straight"]), abs=1e-4)  # FSDP2 instead of DDP: the same steps
+    assert losses(fsdp_runs["resharded"]) == pytest.approx(straight[3:], abs=1e-5)  # cp=2 -> cp=1
 
     def read(run, folder):
         return lora.read(run / folder / lora.WEIGHT_NAME)[0]  # gathered from the shards
@@ -248,6 +254,7 @@ def test_fsdp_resume_is_exact_and_its_sharded_checkpoints_hold_the_trainable_sta
     ema = read(fsdp_runs["straight"], "lora_ema")
     assert sorted(ema) == sorted(read(fsdp_runs["resumed"], "lora_ema"))
     assert all(torch.allclose(ema[k], read(fsdp_runs["resumed"], "lora_ema")[k], atol=1e-6) for k in ema)
+    assert all(torch.allclose(ema[k], read(fsdp_runs["resharded"], "lora_ema")[k], atol=1e-5) for k in ema)
     # the EMA follows the sharded parameters (not the unsharded ones FSDP replaced): DDP's EMA, not the init
     ddp_ema, raw = read(runs["straight"], "lora_ema"), read(fsdp_runs["straight"], "lora")
     assert all(torch.allclose(ema[k], ddp_ema[k], atol=1e-5) for k in ema)

@@ -159,3 +159,25 @@ def test_wan22_a14b_experts_train_on_their_side_of_the_boundary():
         WanFineTune(expert="both")
     with pytest.raises(ValueError, match=r"trains on t in \[0.875, 1.0\]"):
         WanFineTune(expert="high_noise", max_timestep=0.5)
+
+
+@pytest.mark.parametrize("lora_rank", [0, 4])
+def test_checkpoints_keep_the_trainable_parameters_and_a_full_fine_tune_keeps_them_all(lora_rank, monkeypatch):
+    from types import SimpleNamespace
+
+    from cp_lightning.tiny import _flux
+    from recipes.flux import FluxFineTune
+
+    monkeypatch.setattr("recipes.finetune.load_transformer", lambda *args, **kwargs: _flux(heads=2))
+    module = FluxFineTune(lora_rank=lora_rank)
+    module.configure_model()
+    module._trainer = SimpleNamespace(strategy=SimpleNamespace(dp_size=1, cp=2))
+    checkpoint = {"state_dict": module.state_dict()}
+    module.on_save_checkpoint(checkpoint)
+    names = {n for n, _ in module.named_parameters()}
+    kept = set(checkpoint["state_dict"])
+    if lora_rank:
+        assert kept and all("lora" in n for n in kept) and len(kept) < len(names)  # the frozen base is left out
+    else:
+        assert kept == names  # every parameter trains, so every one is saved
+    assert sorted(kept) == sorted(checkpoint["recipe"]["trainable"])
