@@ -43,6 +43,29 @@ from cp_lightning.mesh import CP, DP, _local_world_size, build_mesh, validate_de
 __all__ = ["ContextParallel", "prepare_context_parallel"]
 
 
+def _check_dynamo_plugin(accelerator, compile: dict | None) -> None:
+    """Accelerate's own torch.compile (``Accelerator(dynamo_backend=...)``, ``accelerate config``) wraps the
+    prepared model: refuse it beside ``compile=`` (the blocks would be compiled twice) and where it asks
+    for what the compiled CP path cannot honour (CUDA graphs, dynamic shapes)."""
+    from accelerate.utils import DynamoBackend
+
+    plugin = accelerator.state.dynamo_plugin
+    if plugin is None or plugin.backend == DynamoBackend.NO:
+        return
+    if compile is not None:
+        raise ValueError(
+            f"the Accelerator compiles the prepared model itself (dynamo backend {plugin.backend.value.lower()!r}, "
+            "from dynamo_backend=, ACCELERATE_DYNAMO_BACKEND or `accelerate config`), and compile= would compile its "
+            "blocks again inside it; use one of them (compile= compiles each block with fullgraph=True after "
+            "parallelizing)."
+        )
+    kwargs = {k: v for k, v in plugin.to_kwargs().items() if k in ("backend", "mode", "options", "dynamic")}
+    try:
+        compile_options(kwargs)
+    except ValueError as err:
+        raise ValueError(f"the Accelerator's dynamo plugin: {err}") from None
+
+
 def _check_accelerator(accelerator, cp: int, ring: int, allow_cross_node: bool) -> None:
     """Refuse what this integration cannot run exactly; reads only local state (no collectives)."""
     from accelerate import Accelerator
@@ -176,6 +199,7 @@ class ContextParallel:
         )
         self.compile = compile_options(compile)  # None when off
         _check_accelerator(accelerator, cp, ring, allow_cross_node)
+        _check_dynamo_plugin(accelerator, self.compile)
         if self.fsdp_options is not None:
             if accelerator.mixed_precision not in ("no", "bf16"):
                 raise ValueError(

@@ -23,19 +23,29 @@ from torch import nn
 __all__ = ["compile_blocks", "compile_options", "compile_targets", "repeated_blocks"]
 
 _KEYS = ("backend", "mode", "options", "dynamic", "fullgraph")
-# CUDA graphs replay kernels without running Python: the ring's P2P exchange, the consistency check
-# and the byte counters (host-side work inside cp_lightning's custom ops) would silently not happen.
-_CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")
+
+
+def _cuda_graph_modes() -> tuple[str, ...]:
+    # CUDA graphs replay kernels without running Python: the ring's P2P exchange, the consistency check
+    # and the byte counters (host-side work inside cp_lightning's custom ops) would silently not happen.
+    import torch._inductor
+
+    return tuple(mode for mode, opts in torch._inductor.list_mode_options().items() if opts.get("triton.cudagraphs"))
 
 
 def compile_options(compile: bool | Mapping | None) -> dict | None:
     """Validate a ``compile=`` option (True, False/None, or torch.compile keyword arguments).
 
     Returns the keyword arguments for ``torch.compile`` (``fullgraph=True`` and ``dynamic=False`` unless
-    given), or None when compiling is off. Raises before anything is compiled or communicated.
+    given), or None when compiling is off. Raises before anything is compiled or communicated, for what
+    torch.compile would refuse only when the blocks are compiled (an unknown backend, mode or inductor
+    option; mode and options together) and for what the compiled CP path cannot honour (CUDA graphs,
+    dynamic shapes, inductor settings given to a backend that ignores them).
     """
     if compile is None or compile is False:
         return None
+    import torch._inductor
+
     if compile is True:
         compile = {}
     if not isinstance(compile, Mapping):
@@ -46,13 +56,36 @@ def compile_options(compile: bool | Mapping | None) -> dict | None:
     unknown = sorted(set(compile) - set(_KEYS))
     if unknown:
         raise TypeError(f"compile= got unknown torch.compile arguments {unknown}; it takes {list(_KEYS)}.")
+    backend = compile.get("backend", "inductor")
     mode = compile.get("mode")
     options = compile.get("options") or {}
-    if mode in _CUDA_GRAPH_MODES or options.get("triton.cudagraphs"):
+    if isinstance(backend, str) and backend not in torch._dynamo.list_backends(exclude_tags=()):
         raise ValueError(
-            f"compile mode {mode!r} (CUDA graphs) cannot run context-parallel attention: a graph replay skips the "
-            "host-side work of the ring exchange and of the consistency check. Use mode='default' or "
-            "'max-autotune-no-cudagraphs'."
+            f"compile backend {backend!r} is not a torch.compile backend; choose one of "
+            f"{torch._dynamo.list_backends()} (or 'aot_eager', 'eager' for debugging)."
+        )
+    if mode is not None and options:
+        raise ValueError(f"compile: pass mode ({mode!r}) or options, not both (torch.compile takes one of them).")
+    if mode is not None and mode not in torch._inductor.list_mode_options():
+        raise ValueError(
+            f"compile mode {mode!r} is unknown; choose one of {list(torch._inductor.list_mode_options())}."
+        )
+    if not isinstance(options, Mapping):
+        raise TypeError(f"compile options must be a dict of inductor settings, got {type(options).__name__}.")
+    bad = sorted(set(options) - set(torch._inductor.list_options()))
+    if bad:
+        raise ValueError(f"compile options {bad} are not inductor settings (see torch._inductor.list_options()).")
+    if (mode is not None or options) and backend != "inductor":
+        raise ValueError(
+            f"compile mode/options are inductor's settings, which backend {backend!r} would silently ignore; "
+            "drop them or use backend='inductor'."
+        )
+    if backend == "cudagraphs" or mode in _cuda_graph_modes() or options.get("triton.cudagraphs"):
+        what = f"mode {mode!r}" if mode else ("backend 'cudagraphs'" if backend == "cudagraphs" else "options")
+        raise ValueError(
+            f"compile {what} (CUDA graphs) cannot run "
+            "context-parallel attention: a graph replay skips the host-side work of the ring exchange and of the "
+            "consistency check. Use mode='default' or 'max-autotune-no-cudagraphs'."
         )
     if compile.get("dynamic") is True:
         raise ValueError(

@@ -115,7 +115,7 @@ def remove(module: nn.Module) -> nn.Module:
     if state is None:
         raise ValueError("this module is not parallelized.")
     remove_plan(state.handles)
-    routing.unroute_processors(state.attention_modules)
+    routing.unroute_processors(state.attention_modules, state.routes)
     delattr(module, _STATE)
     return module
 

@@ -255,7 +255,8 @@ class SplitState:
         self.joint = False  # the plan has a JointInput (apply_plan): only then is ``lengths`` kept
         self.exchange = False  # set by ``even = False``: no table lookups, exchange the lengths
         self.record: ForwardRecord | None = None  # the current forward pass (gradients.py)
-        self.sharded = False  # between a split and a gather in the current forward pass
+        self._sharded = False  # see ``sharded``
+        self._sharded_origin: int | None = None  # which dynamo trace set ``_sharded`` last (None: eager)
         self._found: dict[int, list[int] | None] = {}  # lookups of this pass
         self.origin: dict[str, int | None] = {}  # which dynamo trace recorded each entry (None: eager)
         self.key = id(self)
@@ -284,6 +285,18 @@ class SplitState:
         _record_sizes(self.key, where, sizes)
         if torch.compiler.is_compiling():
             split_table_record_sizes(self.key, where, sizes)
+
+    def record_whole(self, where: str, size: int) -> None:
+        """A sequence of ``size`` tokens that reached a split hook unsplit (identical on every rank).
+
+        Recorded only before the pass's first split, when every tensor is still the replicated input:
+        such a stream (LTX-2's audio) may reach CP attention whole, and a lookup must then tell it from
+        the concatenations of the splits on every rank alike (see ``lookup``).
+        """
+        size = operator.index(size)
+        _record_whole(self.key, where, size)
+        if torch.compiler.is_compiling():
+            split_table_record_whole(self.key, where, size)
 
     def _guard_table(self) -> None:
         """Under torch.compile: guard the graph on the table entries recorded outside this trace.
@@ -314,10 +327,13 @@ class SplitState:
     def lookup(self, local: int) -> list[int] | None:
         """Every rank's length of a local sequence of ``local`` tokens, or None when the table cannot tell.
 
-        The answer is used only when it is unambiguous on *every* rank: among the concatenations of this
-        pass's splits, exactly one has ``local`` at this rank, and no other one shares any rank's length
-        with it. That condition does not depend on which rank evaluates it, so all ranks either use the
-        table or fall back to exchanging lengths together (a collective that must not run on some only).
+        The candidates are the concatenations of this pass's splits and the whole (replicated) streams
+        (``record_whole``). The answer is used only when it is unambiguous on *every* rank: exactly one
+        candidate has ``local`` at this rank, and no other one shares any rank's length with it. For a
+        tensor that is one of the candidates that condition does not depend on which rank evaluates it,
+        so the ranks all answer, or all raise the same error, never some entering a collective alone. (A
+        whole stream of 5 tokens beside a split of 9 tokens, 5 + 4 at cp 2: rank 0 could not tell them
+        apart, rank 1 could; both refuse.)
         """
         self._guard_table()
         return _lookup(self.key, operator.index(local))  # specialized, as in record()
@@ -336,29 +352,33 @@ class SplitState:
         if lengths is None:
             raise ValueError(
                 f"{where}: cannot tell the CP ranks' lengths of a {x.shape[dim]}-token local sequence from "
-                "this forward pass's splits (text and image tokens of equal or nearly equal lengths that the "
-                "CP degree does not divide), and exchanging them would break the compiled graph. Use "
-                "lengths the CP degree divides, or do not compile this module."
+                "this forward pass's splits, the same way on every rank: it matches several of them on some rank "
+                "(text and image shards of equal lengths, or a whole input stream as long as a shard) or none (a "
+                "tensor that is neither a concatenation of the splits nor a whole input stream), and exchanging "
+                "them would break the compiled graph. Use lengths the CP degree divides, or do not compile this "
+                "module."
             )
         if self.check is not None:
             self.check.lengths(where, x, dim, lengths)
         return lengths
 
     def _concatenations(self) -> list[tuple[int, ...]]:
-        """Every rank's length of each concatenation of this pass's distinct splits.
+        """Every rank's length of each concatenation of this pass's distinct splits, and of each whole tensor.
 
         A split recorded under several names (text tokens, their mask and their RoPE table) counts once;
         so does a length shared by text and image, whose concatenation the table then cannot tell (it
-        falls back to exchanging; under torch.compile, an error).
+        is an error under torch.compile). Tensors that reached a split hook whole, before the pass's first
+        split (LTX-2's audio stream), are candidates of their own, the same length on every rank.
         """
         distinct: list[tuple[int, ...]] = []
-        for sizes in self.shards.values():
-            if tuple(sizes) not in distinct:
+        for where, sizes in self.shards.items():
+            if not where.startswith(_WHOLE) and tuple(sizes) not in distinct:
                 distinct.append(tuple(sizes))
         sums: list[tuple[int, ...]] = [(0,) * self.world]
         for sizes in distinct:
             sums = sums + [tuple(a + b for a, b in zip(s, sizes, strict=True)) for s in sums]
-        return list(dict.fromkeys(sums[1:]))
+        whole = [tuple(sizes) for where, sizes in self.shards.items() if where.startswith(_WHOLE)]
+        return list(dict.fromkeys(sums[1:] + whole))
 
     def _lookup(self, local: int) -> list[int] | None:
         candidates = self._concatenations()
@@ -371,9 +391,29 @@ class SplitState:
                 return None
         return list(found)
 
+    @property
+    def sharded(self) -> bool:
+        """Between a split and a gather in the current forward pass (set by the hooks, read by routing).
+
+        Like the table, a flag set by hooks that torch.compile traces, inside activation-checkpointed
+        regions too (a split hook on the first block), where the traced body may not mutate Python
+        state: it is set and read through constant functions. A value set outside this trace (eager
+        hooks before a compiled block) is read as a plain attribute, so that the graph guards on it.
+        """
+        if torch.compiler.is_compiling():
+            here = _sharded_here(self.key)
+            if here is not None:
+                return here
+        return self._sharded
+
+    def set_sharded(self, value: bool) -> None:
+        _set_sharded(self.key, bool(value))
+        if torch.compiler.is_compiling():
+            split_state_sharded(self.key, bool(value))  # at run time too, for frames compiled separately
+
     def begin_forward(self, loss_parallel: bool) -> None:
         self.record = ForwardRecord(loss_parallel)
-        self.sharded = False
+        self.set_sharded(False)
 
     def _note_split(self, where: str) -> None:
         record = self.record
@@ -384,7 +424,7 @@ class SplitState:
                     "sharded (it looked like the last gather from the model's module order). Train this plan "
                     "without loss_parallel, or gather once, after the last split."
                 )
-            self.sharded = True
+            self.set_sharded(True)
 
 
 @torch._dynamo.assume_constant_result
@@ -433,9 +473,24 @@ def split_table_record_sizes(key: int, where: str, sizes: list[int]) -> None:
     _record_sizes(key, where, sizes)
 
 
-for _op in (split_table_start, split_table_record, split_table_record_sizes):
-    _op.register_fake(lambda *args: None)
-    has_side_effect(_op._opoverload)
+@torch._dynamo.assume_constant_result
+def _set_sharded(key: int, value: bool) -> bool:
+    state = _STATES[key]
+    state._sharded, state._sharded_origin = value, _trace_id()
+    return True
+
+
+@torch._dynamo.assume_constant_result
+def _sharded_here(key: int) -> bool | None:
+    """The flag when this dynamo trace set it, else None (read it as an attribute, guarded)."""
+    state = _STATES[key]
+    return state._sharded if state._sharded_origin is not None and state._sharded_origin == _trace_id() else None
+
+
+@torch.library.custom_op("cp_lightning::split_state_sharded", mutates_args=())
+def split_state_sharded(key: int, value: bool) -> None:
+    """Run time of a compiled graph: what ``SplitState.set_sharded`` did while tracing."""
+    _set_sharded(key, value)
 
 
 @torch._dynamo.assume_constant_result
@@ -445,6 +500,34 @@ def _record_sizes(key: int, where: str, sizes: list[int]) -> bool:
     state._found = {}
     state.origin[where] = _trace_id()
     return True
+
+
+_WHOLE = "="  # table names of whole streams (``record_whole``) start with it
+
+
+@torch._dynamo.assume_constant_result
+def _record_whole(key: int, where: str, size: int) -> bool:
+    state = _STATES[key]
+    if any(not name.startswith(_WHOLE) for name in state.shards):
+        return False  # after a split, an unsplit argument may be a shard already (a block's hidden states)
+    return _record_sizes(key, _WHOLE + where, [size] * state.world)
+
+
+@torch.library.custom_op("cp_lightning::split_table_record_whole", mutates_args=())
+def split_table_record_whole(key: int, where: str, size: int) -> None:
+    """Run time of a compiled graph: what ``SplitState.record_whole`` did while tracing."""
+    _record_whole(key, where, size)
+
+
+for _op in (
+    split_table_start,
+    split_table_record,
+    split_table_record_sizes,
+    split_table_record_whole,
+    split_state_sharded,
+):
+    _op.register_fake(lambda *args: None)
+    has_side_effect(_op._opoverload)
 
 
 @torch._dynamo.assume_constant_result
@@ -525,7 +608,16 @@ def _split_inputs_hook(name: str, spec: Mapping, group, module: nn.Module, check
             state.lengths[arg] = value.shape[arg_spec.split_dim]
         return _split_value(value, arg_spec, group, where, check, state)
 
+    def record_whole(args, kwargs):
+        # (B, S, ...) tensors the hook leaves whole: see SplitState.record_whole
+        named = {**dict(zip(params, args, strict=False)), **kwargs}
+        for arg, value in named.items():
+            if arg not in by_name and isinstance(value, torch.Tensor) and value.dim() >= 3:
+                state.record_whole(f"{name or '<root>'}({arg})", value.shape[1])
+
     def hook(_module, args, kwargs):
+        if state is not None:
+            record_whole(args, kwargs)
         args = list(args)
         for arg in order:
             if arg in kwargs:
@@ -588,7 +680,7 @@ def _split_outputs_hook(name: str, spec: Mapping, group, state=None) -> Callable
         if state is not None and next(module.parameters(), None) is None:
             # a parameter-free module's outputs are position tables (RoPE), not tokens: attention that runs
             # next (HunyuanVideo's text refiner, after its rope) is still outside the split region
-            state.sharded = sharded
+            state.set_sharded(sharded)
         return items[0] if single else type(output)(items)
 
     return hook
@@ -634,7 +726,7 @@ def _gather_hook(name: str, spec, group, state: SplitState, gather: bool) -> Cal
             elif not record.closed:
                 record.note_skipped(name, weight)
         if gather:
-            state.sharded = False
+            state.set_sharded(False)
         return items[0] if single else type(output)(items)
 
     return hook

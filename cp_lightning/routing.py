@@ -21,6 +21,11 @@ layers after a gather) the module's own attention runs on its full, replicated t
 communication, instead of exchanging cp copies of them. The choice is made in the forward pass and
 remembered per module, so that activation checkpointing's recomputation (during backward, after the
 forward's gathers) routes each module the same way.
+
+Under torch.compile the routing hooks run inside activation-checkpointed regions, whose traced body
+may not mutate Python state (dynamo refuses it as an unsafe side effect). So the running-module stack
+and each route's decision are kept by constant functions (``assume_constant_result``), like the split
+table (plan.py): dynamo runs them while tracing and bakes their answers into the graph.
 """
 
 from __future__ import annotations
@@ -30,7 +35,9 @@ import inspect
 import sys
 from dataclasses import dataclass, field
 
+import torch
 from torch import nn
+from torch.fx.node import has_side_effect
 from torch.utils.hooks import RemovableHandle
 
 from cp_lightning.attention import ContextParallelAttention
@@ -57,8 +64,62 @@ class Route:
     cp: bool = True
     handles: list[RemovableHandle] = field(default_factory=list)
 
+    @property
+    def key(self) -> int:
+        return id(self)
 
-_ACTIVE: list[Route] = []  # the routed attention modules running now, innermost last
+
+_ROUTES: dict[int, Route] = {}  # every installed route by key (the constant functions below take ints)
+_ACTIVE: list[int] = []  # the keys of the routed attention modules running now, innermost last
+
+
+@torch._dynamo.assume_constant_result
+def _enter(key: int, cp: bool | None) -> bool:
+    """A routed module starts; ``cp``: this forward pass's decision (None: keep the remembered one)."""
+    if cp is not None:
+        _ROUTES[key].cp = cp
+    _ACTIVE.append(key)
+    return True
+
+
+@torch._dynamo.assume_constant_result
+def _leave(key: int) -> bool:
+    # from its first entry on: a trace that dynamo restarted (a graph break) entered the module twice
+    if key in _ACTIVE:
+        del _ACTIVE[_ACTIVE.index(key) :]
+    return True
+
+
+# Run time of a compiled graph: what the two functions above did while tracing, for eager code that runs
+# between graphs (after a graph break inside an attention module, with fullgraph=False)
+@torch.library.custom_op("cp_lightning::route_enter", mutates_args=())
+def route_enter(key: int, cp: bool | None) -> None:
+    _enter(key, cp)
+
+
+@torch.library.custom_op("cp_lightning::route_leave", mutates_args=())
+def route_leave(key: int) -> None:
+    _leave(key)
+
+
+for _op in (route_enter, route_leave):
+    _op.register_fake(lambda *args: None)
+    has_side_effect(_op._opoverload)
+
+
+@torch._dynamo.assume_constant_result
+def _innermost() -> tuple[int, bool] | None:
+    """The innermost running routed module's key and whether its call runs CP, or None."""
+    if not _ACTIVE:
+        return None
+    return _ACTIVE[-1], _ROUTES[_ACTIVE[-1]].cp
+
+
+def _active() -> tuple[Route | None, bool]:
+    found = _innermost()
+    if found is None:
+        return None, True
+    return _ROUTES[found[0]], found[1]
 
 
 def attention_modules(module: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -124,8 +185,8 @@ def _routed_dispatch(original):
         config = kwargs.get("parallel_config")
         if not isinstance(config, ContextParallelAttention):
             return original(*args, **kwargs)
-        route = _ACTIVE[-1] if _ACTIVE else None
-        if route is not None and not route.cp:
+        route, cp = _active()
+        if not cp:
             return original(*args, **{**kwargs, "parallel_config": None})
         a = dict(defaults)
         a.update(zip(names, args, strict=False))  # trailing defaults may be omitted
@@ -158,8 +219,8 @@ class _RoutedFunctional:
     def scaled_dot_product_attention(
         self, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False
     ):
-        route = _ACTIVE[-1] if _ACTIVE else None
-        if route is None or route.kind == "dispatch" or not route.cp:
+        route, cp = _active()
+        if route is None or route.kind == "dispatch" or not cp:
             real = self.__cp_lightning_original__.scaled_dot_product_attention
             return real(
                 query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
@@ -209,16 +270,21 @@ def route_processors(
         elif not isinstance(module_globals["F"], _RoutedFunctional):
             module_globals["F"] = _RoutedFunctional(module_globals["F"])
         route = Route(name, kind, config)
+        _ROUTES[route.key] = route
 
         def enter(module, args, kwargs, route=route):
             record = None if state is None else state.record
+            cp = None
             if state is not None and record is not None and not record.closed:  # the forward pass decides
-                route.cp = state.sharded and not (route.kind == "self" and _has_encoder_states(module, args, kwargs))
-            _ACTIVE.append(route)
+                cp = state.sharded and not (route.kind == "self" and _has_encoder_states(module, args, kwargs))
+            _enter(route.key, cp)
+            if torch.compiler.is_compiling():
+                route_enter(route.key, cp)
 
         def leave(_module, _args, _output, route=route):
-            if _ACTIVE and _ACTIVE[-1] is route:
-                _ACTIVE.pop()
+            _leave(route.key)
+            if torch.compiler.is_compiling():
+                route_leave(route.key)
 
         route.handles = [
             sub.register_forward_pre_hook(enter, with_kwargs=True),
@@ -228,8 +294,10 @@ def route_processors(
     return routes
 
 
-def unroute_processors(found: list[tuple[str, nn.Module]]) -> None:
+def unroute_processors(found: list[tuple[str, nn.Module]], routes: list[Route] = ()) -> None:
     """Take our config off the processors (the routes' hooks are removed with the plan's handles)."""
+    for route in routes:
+        _ROUTES.pop(route.key, None)
     for _, sub in found:
         # Drop the instance attribute so the class default (None: no CP) shows through again.
         sub.processor.__dict__.pop("_parallel_config", None)

@@ -8,7 +8,8 @@ layout, and compares outputs (1e-5) and gradients (1e-4 relative) at every step.
 counter, a length exchange) fails the case. fullgraph=True makes every graph break an error. Tests use
 ``backend="aot_eager"`` (it runs the real autograd graphs through AOTAutograd, fake tensors included,
 without inductor's code generation, which costs minutes on 2 cores); one slow test uses inductor.
-A spawned world of 2 runs the cp=2 cases, one of 4 the USP cases.
+A spawned world of 2 runs the cp=2 cases, the Lightning FSDP run and the table lookups that only some
+ranks could answer; one of 4 the USP cases.
 """
 
 from __future__ import annotations
@@ -37,11 +38,15 @@ CASES = [
     ("qwenimage", 2, 2, 16, False, "model", 0),  # ring
     ("qwenimage", 2, 2, 15, True, "blocks", 2),
     ("qwenimage", 4, 2, 16, True, "blocks", 0),  # USP: ring 2 x Ulysses 2
-    ("qwenimage", 4, 2, 15, False, "model", 2),
+    # the whole model with activation checkpointing: the split hook on the first block and the attention
+    # routing run inside the checkpointed region, where the traced body may not mutate Python state
+    ("qwenimage", 2, 1, 16, True, "model", 0),
+    ("qwenimage", 2, 1, 15, True, "model", 0),
+    ("qwenimage", 2, 2, 16, True, "model", 0),
+    ("qwenimage", 2, 2, 15, True, "model", 2),
+    ("qwenimage", 4, 2, 16, True, "model", 0),
+    ("qwenimage", 4, 2, 15, True, "model", 2),
 ]
-# Not covered: the whole model compiled *with* activation checkpointing. The attention routing's
-# hooks (routing.py) keep a stack of running attention modules, a Python mutation that dynamo refuses
-# inside a checkpointed region; per-block compile with checkpointing (above) is unaffected.
 
 
 def _step(run, model, inputs, group, lr=1e-3):
@@ -111,17 +116,25 @@ def _all_cases(rank, world):
     from cp_lightning import build_mesh
 
     mesh = build_mesh(world)  # dp = 1: each case's CP degree is the world
-    return {case: run_case(*case, mesh) for case in CASES if case[1] == world}
+    out = {case: run_case(*case, mesh) for case in CASES if case[1] == world}
+    if world == 2:
+        out["fsdp"] = _lightning_fsdp(rank)
+        out["lookups"] = _lookups(rank, world, mesh)  # last: it shortens the collectives' timeout
+    return out
 
 
 @pytest.fixture(scope="module")
 def results():
     merged = {}
     for world in (2, 4):
-        per_rank = spawn(_all_cases, world, timeout_s=600)
-        for case in per_rank[0]:
-            merged[case] = [max(r[case][0] for r in per_rank), max(r[case][1] for r in per_rank)]
-            merged[case].append(min(r[case][2] for r in per_rank))
+        env = {"PL_GLOBAL_SEED": "0", "LOCAL_WORLD_SIZE": str(world)}  # Lightning runs inside the workers
+        per_rank = spawn(_all_cases, world, timeout_s=600, env=env)
+        for case in CASES:
+            if case[1] == world:
+                merged[case] = [max(r[case][0] for r in per_rank), max(r[case][1] for r in per_rank)]
+                merged[case].append(min(r[case][2] for r in per_rank))
+        for key in set(per_rank[0]) - set(CASES):
+            merged[key] = [r[key] for r in per_rank]
     return merged
 
 
@@ -200,6 +213,38 @@ def test_compile_options_the_cp_path_cannot_honour_fail_at_construction():
         ContextParallelStrategy(cp=2, compile={"fulgraph": True})
     with pytest.raises(TypeError, match="compile must be True, False or a dict"):
         ContextParallelStrategy(cp=2, compile="inductor")
+    # what torch.compile itself would refuse only once the processes run and the blocks are compiled
+    with pytest.raises(ValueError, match="backend 'cudagraphs' \\(CUDA graphs\\)"):
+        ContextParallelStrategy(cp=2, compile={"backend": "cudagraphs"})
+    with pytest.raises(ValueError, match="'inductr' is not a torch.compile backend"):
+        ContextParallelStrategy(cp=2, compile={"backend": "inductr"})
+    with pytest.raises(ValueError, match="mode 'fast' is unknown"):
+        ContextParallelStrategy(cp=2, compile={"mode": "fast"})
+    with pytest.raises(ValueError, match="pass mode .* or options, not both"):
+        ContextParallelStrategy(cp=2, compile={"mode": "default", "options": {"max_autotune": True}})
+    with pytest.raises(ValueError, match=r"options \['max_autotun'\] are not inductor settings"):
+        ContextParallelStrategy(cp=2, compile={"options": {"max_autotun": True}})
+    with pytest.raises(ValueError, match="backend 'aot_eager' would silently ignore"):
+        ContextParallelStrategy(cp=2, compile={"backend": "aot_eager", "mode": "max-autotune-no-cudagraphs"})
+    assert compile_options({"mode": "max-autotune-no-cudagraphs"})["mode"] == "max-autotune-no-cudagraphs"
+
+
+def test_accelerate_dynamo_plugin_the_cp_path_cannot_honour_fails_at_construction():
+    from accelerate.utils import TorchDynamoPlugin
+
+    from cp_lightning.accelerate import ContextParallel
+    from tests.test_accelerate import fresh_accelerator
+
+    with pytest.raises(ValueError, match="use one of them"):  # the blocks would be compiled twice
+        ContextParallel(fresh_accelerator(dynamo_backend="inductor"), cp=1, compile=True)
+    plugin = TorchDynamoPlugin(backend="inductor", mode="reduce-overhead")
+    with pytest.raises(ValueError, match="dynamo plugin: compile mode 'reduce-overhead' \\(CUDA graphs\\)"):
+        ContextParallel(fresh_accelerator(dynamo_plugin=plugin), cp=1)
+    plugin = TorchDynamoPlugin(backend="inductor", dynamic=True)
+    with pytest.raises(ValueError, match="dynamo plugin: compile dynamic=True"):
+        ContextParallel(fresh_accelerator(dynamo_plugin=plugin), cp=1)
+    assert ContextParallel(fresh_accelerator(dynamo_backend="inductor"), cp=1).compile is None  # Accelerate's own
+    fresh_accelerator()  # leave a plain Accelerator behind
 
 
 def test_compile_blocks_needs_repeated_blocks():
@@ -236,3 +281,134 @@ def test_lightning_strategy_compiles_blocks_and_matches_one_process(monkeypatch)
         module, strategy, devices=2, steps=STEPS, dataset=samples, callbacks=[ErrorOnRecompileAfterFirstStep()]
     )
     assert param_rel_err(params, reference) <= SGD_TOL
+
+
+# -- FSDP2 under the Lightning strategy ----------------------------------------------------------------
+FSDP_TOKENS = 15  # uneven at cp 2, with 7 text tokens
+
+
+def _lightning_fsdp(rank):
+    """ContextParallelStrategy(fsdp=True, compile=...) in the already-launched workers (popen, as under
+    torchrun): ring cp 2, uneven lengths, checkpointing, the check on; rank 0's consolidated parameters."""
+    import os
+
+    import torch._dynamo
+    from torch.utils.data import DataLoader
+
+    from cp_lightning import ContextParallelStrategy
+    from cp_lightning.data_parallel import full_state_dict
+    from tests.lightning_tasks import FlowMatching, Samples
+    from tests.test_strategy import GLOBAL_BATCH
+
+    os.environ["PL_GLOBAL_SEED"] = "0"
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    module = FlowMatching(optimizer="sgd", checkpointing=True, tokens=FSDP_TOKENS, text_tokens=TEXT_TOKENS)
+    strategy = ContextParallelStrategy(cp=2, ring=2, fsdp=True, compile={"backend": "aot_eager"}, check_steps=2)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy=strategy,
+        max_steps=STEPS,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[ErrorOnRecompileAfterFirstStep()],
+    )
+    samples = Samples(tokens=FSDP_TOKENS, text_tokens=TEXT_TOKENS)
+    try:
+        trainer.fit(module, DataLoader(samples, batch_size=GLOBAL_BATCH, shuffle=True))  # dp = 1
+    finally:
+        torch._dynamo.config.error_on_recompile = False
+    state = full_state_dict(module)  # collective; rank 0 gets the tensors
+    return {k: v.detach().float().numpy() for k, v in state.items()} if rank == 0 else None
+
+
+def test_lightning_fsdp_compiles_blocks_and_matches_one_process(results, monkeypatch):
+    """parallelize -> checkpointing (configure_model) -> compile the blocks -> fully_shard: the SGD
+    trajectory equals one process's; recompiling after the first step would fail the run."""
+    from tests.lightning_tasks import FlowMatching, Samples, param_rel_err, reference_params
+    from tests.test_strategy import GLOBAL_BATCH, SGD_TOL
+
+    monkeypatch.setenv("PL_GLOBAL_SEED", "0")
+    torch.manual_seed(0)
+    module = FlowMatching(optimizer="sgd", checkpointing=True, tokens=FSDP_TOKENS, text_tokens=TEXT_TOKENS)
+    samples = Samples(tokens=FSDP_TOKENS, text_tokens=TEXT_TOKENS)
+    reference = reference_params(module, samples, GLOBAL_BATCH, STEPS, clip=None)
+    params = {k: torch.from_numpy(v) for k, v in results["fsdp"][0].items()}
+    assert param_rel_err(params, reference) <= SGD_TOL
+
+
+# -- lookups that only some ranks could answer -----------------------------------------------------------
+# (splits of the pass: name -> full length, whole streams: name -> length, attention's local tokens per rank)
+# at cp 2: 15 -> 8 + 7, 16 -> 8 + 8, 9 -> 5 + 4, 7 -> 4 + 3
+LOOKUPS = {
+    # a whole (replicated) 5-token stream beside video and text splits (LTX-2's audio): exact
+    "whole-stream": ({"video": 15, "text": 7}, {"audio": 5}, (5, 5)),
+    # the same stream beside a 9-token text split: rank 0 holds 5 text tokens too, rank 1 holds 4
+    "whole-stream-like-a-shard": ({"video": 15, "text": 9}, {"audio": 5}, (5, 5)),
+    # image 16 and text 15: rank 0 holds 8 tokens of either; image alone is ambiguous on rank 0 only
+    "coinciding-shards": ({"image": 16, "text": 15}, {}, (8, 8)),
+    "coinciding-shards-joint": ({"image": 16, "text": 15}, {}, (16, 15)),
+}
+
+
+def _lookups(rank, world, mesh):
+    """Each LOOKUPS case, compiled (aot_eager, fullgraph) and eager: outputs and gradients' errors, or the
+    error message, per rank. A case that worked on some ranks only would leave the rest in a collective:
+    the timeout (60 s) turns that into a failure instead of a hang."""
+    from datetime import timedelta
+
+    import torch._dynamo
+
+    from cp_lightning import faults
+    from cp_lightning.attention import ContextParallelAttention
+    from cp_lightning.mesh import cp_groups
+    from cp_lightning.plan import SplitState
+
+    faults.set_collective_timeout(timedelta(seconds=60), mesh, 1)
+    groups = cp_groups(mesh)
+    out = {}
+    for case, (splits, whole, local) in LOOKUPS.items():
+        torch._dynamo.reset()
+        state = SplitState(groups.cp)
+        config = ContextParallelAttention(groups, state=state)
+
+        def attend(q, k, v, splits=splits, whole=whole, state=state, config=config):
+            state.start_forward()
+            for where, size in whole.items():
+                state.record_whole(where, size)
+            for where, size in splits.items():
+                state.record_split(where, size)
+            return config(q, k, v, where="attn")
+
+        g = torch.Generator().manual_seed(0)
+        qkv = [torch.randn(2, local[rank], 2, 8, generator=g) for _ in range(3)]
+        results = []
+        try:
+            for fn in (torch.compile(attend, fullgraph=True, backend="aot_eager"), attend):
+                leaves = [t.clone().requires_grad_() for t in qkv]
+                result = fn(*leaves)
+                result.backward(torch.ones_like(result))
+                results.append((result.detach(), {i: t.grad for i, t in enumerate(leaves)}))
+            out[case] = _compare(*results)
+        except Exception as err:  # noqa: BLE001 - under fullgraph dynamo reraises our ValueError as its cause
+            while err.__cause__ is not None and not isinstance(err, ValueError):
+                err = err.__cause__
+            out[case] = f"{type(err).__name__}: {err}"
+        dist.barrier()
+    return out
+
+
+@pytest.mark.parametrize("case", list(LOOKUPS))
+def test_lookups_under_compile_are_exact_or_the_same_error_on_every_rank(results, case):
+    per_rank = [r[case] for r in results["lookups"]]
+    if case in ("whole-stream", "coinciding-shards-joint"):
+        for out_err, grad_err in per_rank:
+            assert out_err <= OUT_TOL and grad_err <= GRAD_TOL, per_rank
+    else:
+        assert all(isinstance(r, str) for r in per_rank), per_rank
+        assert len(set(per_rank)) == 1, per_rank
+        # dynamo's fullgraph error names our ValueError ("raised exception ValueError(...)")
+        assert "ValueError" in per_rank[0] and "cannot tell the CP ranks' lengths" in per_rank[0], per_rank
