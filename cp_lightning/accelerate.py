@@ -313,6 +313,7 @@ class ContextParallel:
             loss_parallel=self.loss_parallel,
             check_steps=self.check_steps,
         )
+        compile_targets(model, self.plan, self.compile)  # after parallelize, before fully_shard
         model.to(acc.device)
         data_parallel.apply_fsdp(
             model, mesh=self.mesh, plan=self.plan, options=self.fsdp_options, loss_parallel=self.loss_parallel

@@ -255,8 +255,9 @@ class SplitState:
         self.joint = False  # the plan has a JointInput (apply_plan): only then is ``lengths`` kept
         self.exchange = False  # set by ``even = False``: no table lookups, exchange the lengths
         self.record: ForwardRecord | None = None  # the current forward pass (gradients.py)
-        self._sharded = False  # see ``sharded``
-        self._sharded_origin: int | None = None  # which dynamo trace set ``_sharded`` last (None: eager)
+        self._sharded = False  # see ``sharded``: as set outside traces
+        self._sharded_traced = False  # as set by the dynamo trace ``_sharded_origin`` (None: none)
+        self._sharded_origin: int | None = None
         self._found: dict[int, list[int] | None] = {}  # lookups of this pass
         self.origin: dict[str, int | None] = {}  # which dynamo trace recorded each entry (None: eager)
         self.key = id(self)
@@ -475,16 +476,20 @@ def split_table_record_sizes(key: int, where: str, sizes: list[int]) -> None:
 
 @torch._dynamo.assume_constant_result
 def _set_sharded(key: int, value: bool) -> bool:
-    state = _STATES[key]
-    state._sharded, state._sharded_origin = value, _trace_id()
+    state, origin = _STATES[key], _trace_id()
+    if origin is None:  # eager, or a compiled graph at run time: what the next frame finds on entry
+        state._sharded = value
+    # a trace's value stays apart: dynamo may abandon a trace and restart it, and the restarted trace must
+    # read (and guard on) the value its frame starts with, not the abandoned one's last
+    state._sharded_traced, state._sharded_origin = value, origin
     return True
 
 
 @torch._dynamo.assume_constant_result
 def _sharded_here(key: int) -> bool | None:
     """The flag when this dynamo trace set it, else None (read it as an attribute, guarded)."""
-    state = _STATES[key]
-    return state._sharded if state._sharded_origin is not None and state._sharded_origin == _trace_id() else None
+    state, here = _STATES[key], _trace_id()
+    return state._sharded_traced if here is not None and state._sharded_origin == here else None
 
 
 @torch.library.custom_op("cp_lightning::split_state_sharded", mutates_args=())
