@@ -60,12 +60,24 @@ def save(checkpoint: dict, path: Path, rank: int) -> None:
         torch.save(checkpoint, path / META)
 
 
+def read_meta(path: Path, weights_only=None) -> dict:
+    """The non-tensor part of the checkpoint (``meta.pt``; rank-local, no collectives)."""
+    return torch.load(path / META, weights_only=weights_only, map_location="cpu")
+
+
 def load(
-    path: Path, module: nn.Module, optimizers: Sequence[torch.optim.Optimizer], *, strict: bool, weights_only=None
+    path: Path,
+    module: nn.Module,
+    optimizers: Sequence[torch.optim.Optimizer],
+    *,
+    strict: bool,
+    weights_only=None,
+    meta: dict | None = None,
 ) -> dict:
     """Load the DCP directory ``path`` into the sharded ``module`` and its ``optimizers`` in place (collective)
-    and return the rest of the checkpoint (``meta.pt``), with the per-parameter extras as tensors sharded like
-    their parameters. Run :func:`cp_lightning.data_parallel.check_checkpoint_layout` first (no collectives)."""
+    and return the rest of the checkpoint (``meta``, read from ``meta.pt`` unless given), with the
+    per-parameter extras as tensors sharded like their parameters. Run
+    :func:`cp_lightning.data_parallel.check_checkpoint_layout` first (no collectives)."""
     from torch.distributed.checkpoint import load as dcp_load
     from torch.distributed.checkpoint.state_dict import (
         StateDictOptions,
@@ -88,7 +100,7 @@ def load(
         set_optimizer_state_dict(
             module, optimizer, optim_state_dict=optimizer_state[key], options=StateDictOptions(cpu_offload=True)
         )
-    checkpoint = torch.load(path / META, weights_only=weights_only, map_location="cpu")
+    checkpoint = read_meta(path, weights_only) if meta is None else meta
     extras = checkpoint.get("cp_lightning", {}).get("sharded_extras", [])
     if extras:
         targets = {key: _extra_targets(key, saved, module) for key in extras}

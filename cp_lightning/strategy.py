@@ -384,6 +384,7 @@ class ContextParallelStrategy(_ContextParallel, DDPStrategy):
                     "ContextParallelStrategy(..., fsdp=True), at any dp x cp layout."
                 )
             checkpoint = super().load_checkpoint(checkpoint_path, *args, **kwargs)
+            _module_check(self.lightning_module, checkpoint)
         elif path.is_file():  # a full checkpoint into the sharded model: broadcast from rank 0
             from lightning.fabric.strategies.model_parallel import _load_checkpoint
 
@@ -397,16 +398,27 @@ class ContextParallelStrategy(_ContextParallel, DDPStrategy):
             )
         else:
             # a light checkpoint (strict_loading False) may hold the trainable tensors only
-            strict = self.lightning_module.strict_loading
-            data_parallel.check_checkpoint_layout(path, self.model, self.dp_size, strict=strict)  # no collectives
+            strict, weights_only = self.lightning_module.strict_loading, kwargs.get("weights_only")
+            meta = sharded_checkpoint.read_meta(path, weights_only)
+            _module_check(self.lightning_module, meta)  # no collectives from here to the load
+            data_parallel.check_checkpoint_layout(path, self.model, self.dp_size, strict=strict)
             checkpoint = sharded_checkpoint.load(
-                path, self.model, self.optimizers, strict=strict, weights_only=kwargs.get("weights_only")
+                path, self.model, self.optimizers, strict=strict, weights_only=weights_only, meta=meta
             )
         repair_epoch_progress(checkpoint)  # else a second resume re-shuffles with the previous epoch's seed
         state = checkpoint.get("cp_lightning", {})
         self._restore_rng_state(state.get("rng_states"))
         self.nonfinite.skipped = state.get("skipped_steps", 0)
         return checkpoint
+
+
+def _module_check(module, checkpoint: dict) -> None:
+    """The LightningModule's own ``check_checkpoint(checkpoint)``, when it has one: called with the checkpoint's
+    non-tensor part before any weight is loaded (sharded: before any collective), so a module can refuse a
+    checkpoint it cannot resume from with its own message (the recipes: another base model or LoRA rank)."""
+    check = getattr(module, "check_checkpoint", None)
+    if callable(check):
+        check(checkpoint)
 
 
 class FabricContextParallelStrategy(_ContextParallel, FabricDDPStrategy):

@@ -203,12 +203,15 @@ class FlowMatchingFineTune(L.LightningModule):
         if self.ema is not None:  # FSDP: sharded like the parameters, written by every rank
             checkpoint["ema"] = self.ema.state_dict()
 
-    def on_load_checkpoint(self, checkpoint: dict) -> None:
+    def check_checkpoint(self, checkpoint: dict) -> None:
+        """Refuse a checkpoint this run cannot resume from, naming the fix (ContextParallelStrategy calls it
+        before any weight loads; an FSDP checkpoint's tensors are not in ``checkpoint`` then)."""
         from recipes.checkpoints import check_identity
 
-        # (FSDP's sharded checkpoints load their tensors in place, after a layout check that names a missing
-        # or reshaped trainable tensor: no "state_dict" entry to compare then)
         check_identity(checkpoint.get("recipe"), self.checkpoint_identity(), checkpoint.get("state_dict"))
+
+    def on_load_checkpoint(self, checkpoint: dict) -> None:
+        self.check_checkpoint(checkpoint)  # (again, for strategies that do not call it first)
         if self.ema is not None and "ema" in checkpoint:
             self.ema.load_state_dict(checkpoint["ema"])
 

@@ -281,6 +281,10 @@ def test_fsdp_resume_is_exact_and_its_sharded_checkpoints_hold_the_trainable_sta
     assert size <= 2 * (params + optimizer + params), (size, params, optimizer)
     assert (checkpoints / "last.ckpt").resolve().name == "step_6.ckpt"
     assert sorted(p.name for p in (fsdp_runs["resumed"] / "checkpoints").glob("last*")) == ["last.ckpt"]
+    # the recipe refuses another LoRA rank with its own message, before the sharded load
+    cmd = ["--trainer.max_steps=6", "--model.lora_rank=8", f"--ckpt_path={directory}"]
+    with pytest.raises(AssertionError, match="LoRA of rank 16.*--model.lora_rank 16"):
+        run_recipe(checkpoints.parent.parent, "rank8", *cmd, cache=runs["tmp"], variant="fsdp_")
 
 
 def test_checkpoints_that_cannot_resume_the_run_are_clear_errors(runs):
