@@ -252,6 +252,7 @@ class SplitState:
         self.group, self.check = group, check
         self.shards: dict[str, list[int]] = {}  # every rank's length of each split, by name
         self.lengths: dict[str, int] = {}  # full length of each split argument, by name (for JointInput)
+        self._traced_lengths: dict[str, tuple[int, int]] = {}  # (length, trace) recorded while tracing
         self.joint = False  # the plan has a JointInput (apply_plan): only then is ``lengths`` kept
         self.exchange = False  # set by ``even = False``: no table lookups, exchange the lengths
         self.record: ForwardRecord | None = None  # the current forward pass (gradients.py)
@@ -270,6 +271,20 @@ class SplitState:
         _start_forward(self.key)
         if torch.compiler.is_compiling():
             split_table_start(self.key)  # at run time too, for frames compiled separately
+
+    def record_length(self, arg: str, size: int) -> None:
+        """The full length of split argument ``arg`` (JointInput plans), kept like the ``sharded`` flag."""
+        size = operator.index(size)
+        _record_length(self.key, arg, size)
+        if torch.compiler.is_compiling():
+            split_table_length(self.key, arg, size)
+
+    def full_length(self, arg: str) -> int | None:
+        if torch.compiler.is_compiling():
+            here = _length_here(self.key, arg)
+            if here is not None:
+                return here
+        return self.lengths.get(arg)  # recorded outside this trace: read as a plain dict, guarded
 
     def record_split(self, where: str, size: int) -> None:
         # operator.index specializes a length torch.compile made symbolic (automatic dynamic shapes
@@ -431,7 +446,7 @@ class SplitState:
 @torch._dynamo.assume_constant_result
 def _start_forward(key: int) -> bool:
     state = _STATES[key]
-    state.shards, state._found, state.origin = {}, {}, {}
+    state.shards, state._found, state.origin, state._traced_lengths = {}, {}, {}, {}
     return True
 
 
@@ -472,6 +487,27 @@ def split_table_record(key: int, where: str, size: int) -> None:
 def split_table_record_sizes(key: int, where: str, sizes: list[int]) -> None:
     """Run time of a compiled graph: what ``SplitState.record_sizes`` did while tracing."""
     _record_sizes(key, where, sizes)
+
+
+@torch._dynamo.assume_constant_result
+def _record_length(key: int, arg: str, size: int) -> bool:
+    state, origin = _STATES[key], _trace_id()
+    if origin is None:  # as for the sharded flag below: a trace's records stay apart
+        state.lengths[arg] = size
+    state._traced_lengths[arg] = (size, origin)
+    return True
+
+
+@torch._dynamo.assume_constant_result
+def _length_here(key: int, arg: str) -> int | None:
+    entry, here = _STATES[key]._traced_lengths.get(arg), _trace_id()
+    return entry[0] if entry is not None and here is not None and entry[1] == here else None
+
+
+@torch.library.custom_op("cp_lightning::split_table_length", mutates_args=())
+def split_table_length(key: int, arg: str, size: int) -> None:
+    """Run time of a compiled graph: what ``SplitState.record_length`` did while tracing."""
+    _record_length(key, arg, size)
 
 
 @torch._dynamo.assume_constant_result
@@ -529,6 +565,7 @@ for _op in (
     split_table_record,
     split_table_record_sizes,
     split_table_record_whole,
+    split_table_length,
     split_state_sharded,
 ):
     _op.register_fake(lambda *args: None)
@@ -610,7 +647,7 @@ def _split_inputs_hook(name: str, spec: Mapping, group, module: nn.Module, check
                 return value  # the per-sample form: nothing to split
         joint = state is not None and state.joint  # only JointInput plans read the full lengths
         if joint and isinstance(value, torch.Tensor) and value.dim() > arg_spec.split_dim:
-            state.lengths[arg] = value.shape[arg_spec.split_dim]
+            state.record_length(arg, value.shape[arg_spec.split_dim])
         return _split_value(value, arg_spec, group, where, check, state)
 
     def record_whole(args, kwargs):
@@ -643,8 +680,8 @@ def _split_joint(x, spec: JointInput, group, where: str, check=None, state=None)
         raise TypeError(f"{where}: a JointInput splits one tensor, got a {type(x).__name__}.")
     if spec.expected_dims is not None and x.dim() != spec.expected_dims:
         raise ValueError(f"{where}: expected a {spec.expected_dims}-d tensor, got shape {tuple(x.shape)}.")
-    lengths = {} if state is None else state.lengths
-    missing = [seg for seg in spec.segments if seg not in lengths]
+    lengths = {} if state is None else {seg: state.full_length(seg) for seg in spec.segments}
+    missing = [seg for seg in spec.segments if lengths.get(seg) is None]
     if missing:
         raise ValueError(
             f"{where}: JointInput segments {missing} were not split before it; split those arguments earlier in "

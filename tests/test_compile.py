@@ -49,6 +49,9 @@ CASES = [
     # loss-parallel: no gather ends the split region, so the flag that tells routing it is inside one stays
     # set after the pass; the next pass must not find a graph guarded on a trace's leftover value
     ("qwenimage", 2, 2, 15, True, "model", 2, "loss-parallel"),
+    # a JointInput key mask over [video, text], split at every block from the streams' full lengths, which
+    # the first block's split hook records inside the checkpointed region (the plan library's tiny case)
+    ("hunyuanvideo", 2, 1, 15, True, "model", 0),
 ]
 
 
@@ -84,11 +87,19 @@ def run_case(name, cp, ring, tokens, ckpt, what, check_steps, mesh, backend="aot
     import torch._dynamo
 
     from cp_lightning import parallelize
-    from cp_lightning.tiny import tiny_inputs, tiny_model
+    from cp_lightning.check import build
+    from cp_lightning.models import CASES as LIBRARY
+    from cp_lightning.tiny import MODELS, tiny_inputs, tiny_model
+
+    def inputs_of(model, length, seed):
+        if name in MODELS:
+            return tiny_inputs(name, model, tokens=length, text_tokens=TEXT_TOKENS, seed=seed)
+        case = LIBRARY[name]
+        return case.inputs(model, torch.Generator().manual_seed(seed), 2, length, TEXT_TOKENS, torch.float32)
 
     torch._dynamo.reset()
     torch._dynamo.config.error_on_recompile = False
-    eager = tiny_model(name)
+    eager = tiny_model(name) if name in MODELS else build(LIBRARY[name])[0]
     if ckpt:
         eager.enable_gradient_checkpointing()
     compiled = copy.deepcopy(eager)
@@ -106,7 +117,7 @@ def run_case(name, cp, ring, tokens, ckpt, what, check_steps, mesh, backend="aot
         for step, length in enumerate(tokens if isinstance(tokens, tuple) else [tokens] * STEPS):
             torch._dynamo.config.error_on_recompile = length in seen  # only a new length may compile
             seen.add(length)
-            inputs = tiny_inputs(name, eager, tokens=length, text_tokens=TEXT_TOKENS, seed=10 + step)
+            inputs = inputs_of(eager, length, 10 + step)
             errs = _compare(_step(run, compiled, inputs, group), _step(eager, eager, inputs, group))
             worst = [max(a, b) for a, b in zip(worst, errs, strict=True)]
     finally:
