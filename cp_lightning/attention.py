@@ -15,8 +15,8 @@ import torch.nn.functional as F
 from cp_lightning import collectives
 from cp_lightning.kernels import pick_kernel
 from cp_lightning.mesh import CPGroups
-from cp_lightning.plan import SplitState
 from cp_lightning.ring import ring_attention
+from cp_lightning.split_table import SplitState
 
 
 def _seq_to_heads(x: torch.Tensor, group: dist.ProcessGroup, lengths: list[int], heads: list[int]) -> torch.Tensor:
@@ -182,7 +182,7 @@ def cp_attention(
     shards may differ in length between ranks (a sequence the CP degree does not divide) and queries
     from keys (cross-attention to split text). It gets back its own ``(B, S_local, H, D)`` output.
     ``even=True`` promises that every rank's shards have the same lengths; ``lengths`` gives every CP
-    rank's query and key lengths (both skip exchanging them; see ``plan.SplitState``). Heads are
+    rank's query and key lengths (both skip exchanging them; see ``split_table.SplitState``). Heads are
     dealt out as evenly as possible (:func:`collectives.chunk_sizes`): a head count the Ulysses degree
     does not divide leaves some ranks one head more, with no padding.
     Everything that can be refused is checked before communicating.

@@ -7,7 +7,7 @@ position-weighted sum, in float64), all-gathers it in the CP group and raises
 :class:`CPMismatchError` naming the tensor and the training forward pass when peers disagree. It
 runs for the first ``steps`` training forward passes (after that, one all-gather per split point
 would be pure overhead); every rank checks the same points, so all raise together, never hang.
-While active it also cross-checks the shard lengths the engine looked up (see ``plan.SplitState``)
+While active it also cross-checks the shard lengths the engine looked up (see ``split_table.SplitState``)
 against lengths exchanged between the ranks.
 
 Under ``torch.compile`` the check must neither break the graph nor make it recompile: its counter

@@ -25,7 +25,7 @@ forward's gathers) routes each module the same way.
 Under torch.compile the routing hooks run inside activation-checkpointed regions, whose traced body
 may not mutate Python state (dynamo refuses it as an unsafe side effect). So the running-module stack
 and each route's decision are kept by constant functions (``assume_constant_result``), like the split
-table (plan.py): dynamo runs them while tracing and bakes their answers into the graph.
+table (split_table.py): dynamo runs them while tracing and bakes their answers into the graph.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ from torch.fx.node import has_side_effect
 from torch.utils.hooks import RemovableHandle
 
 from cp_lightning.attention import ContextParallelAttention
-from cp_lightning.plan import SplitState
+from cp_lightning.split_table import SplitState
 
 # stock processors that call SDPA directly, by class name -> how their keys relate to their queries:
 # "joint": keys are the queries' own tokens (self or joint image+text attention): CP when split;
