@@ -210,7 +210,24 @@ class SampleFlux(Samples):
         return image[:1].astype(np.float32)  # 1, H, W, 3
 
 
-class SampleWan(Samples):
+class VideoSamples(Samples):
+    """What the video pipelines (Wan, HunyuanVideo) share: one call renders a clip of ``num_frames``."""
+
+    def render(self, pipeline, embeds, seed):
+        frames = pipeline(
+            **embeds,
+            height=self.height,
+            width=self.width,
+            num_frames=self.num_frames,
+            num_inference_steps=self.steps,
+            guidance_scale=self.guidance,
+            generator=torch.Generator().manual_seed(seed),
+            output_type="np",
+        ).frames
+        return np.asarray(frames[0], dtype=np.float32)  # F, H, W, 3
+
+
+class SampleWan(VideoSamples):
     __doc__ = Samples.__doc__
     family = "wan"
     default_guidance = 5.0  # Wan samples with classifier-free guidance
@@ -225,21 +242,8 @@ class SampleWan(Samples):
         )
         return {"prompt_embeds": embeds, "negative_prompt_embeds": negative}
 
-    def render(self, pipeline, embeds, seed):
-        frames = pipeline(
-            **embeds,
-            height=self.height,
-            width=self.width,
-            num_frames=self.num_frames,
-            num_inference_steps=self.steps,
-            guidance_scale=self.guidance,
-            generator=torch.Generator().manual_seed(seed),
-            output_type="np",
-        ).frames
-        return np.asarray(frames[0], dtype=np.float32)  # F, H, W, 3
 
-
-class SampleHunyuan(Samples):
+class SampleHunyuan(VideoSamples):
     __doc__ = Samples.__doc__
     family = "hunyuan"
     default_guidance = 6.0  # HunyuanVideo's embedded (distilled) guidance at inference, the pipeline's default
@@ -253,19 +257,6 @@ class SampleHunyuan(Samples):
             max_sequence_length=self.max_sequence_length,
         )
         return {"prompt_embeds": embeds, "pooled_prompt_embeds": pooled, "prompt_attention_mask": mask}
-
-    def render(self, pipeline, embeds, seed):
-        frames = pipeline(
-            **embeds,
-            height=self.height,
-            width=self.width,
-            num_frames=self.num_frames,
-            num_inference_steps=self.steps,
-            guidance_scale=self.guidance,
-            generator=torch.Generator().manual_seed(seed),
-            output_type="np",
-        ).frames
-        return np.asarray(frames[0], dtype=np.float32)  # F, H, W, 3
 
 
 SAMPLERS = {"flux": SampleFlux, "wan": SampleWan, "hunyuan": SampleHunyuan}
