@@ -19,7 +19,7 @@ from cp_lightning import attention, collectives, routing
 from cp_lightning.checks import ConsistencyCheck
 from cp_lightning.kernels import get_kernel
 from cp_lightning.mesh import CP, CPGroups, _require_process_group, build_mesh, cp_groups, validate_degrees
-from cp_lightning.plan import apply_plan, remove_plan, resolve_plan, unsplit_paths
+from cp_lightning.plan import apply_plan, check_loss_parallel, remove_plan, resolve_plan, unsplit_paths
 from cp_lightning.split_table import SplitState
 
 _STATE = "_cp_lightning_state"
@@ -93,6 +93,8 @@ def parallelize(
         get_kernel(kernel)
 
     entries = resolve_plan(module, plan)
+    if loss_parallel:
+        check_loss_parallel(module, entries)
     found = routing.check_processors(module, cp // ring, unsplit_paths(entries))
 
     if mesh is None:

@@ -217,6 +217,42 @@ def _mark_terminal(root: nn.Module, entries: list[ResolvedEntry]) -> list[Resolv
     return marked
 
 
+_CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.Sequential)  # their parent's code runs what follows them
+
+
+def check_loss_parallel(root: nn.Module, entries: Sequence[ResolvedEntry]) -> None:
+    """Refuse loss-parallel for plans whose last gather hands its output back to a block's own code.
+
+    Loss-parallel leaves the terminal gathers' outputs sharded, which is exact when what follows them
+    runs per token up to the loss (Flux: ``norm_out``/``proj_out``; SkyReels: the last block of the
+    list). A terminal gather inside a block that also splits (Helios's plan splits and gathers around
+    each part of every block) returns a shard to that block, which adds it to the whole, replicated
+    tokens: a shape error deep in the model's code. ``root``'s own gather is always fine.
+    """
+    modules = dict(root.named_modules(remove_duplicate=False))
+    splits = [
+        name
+        for entry in entries
+        if isinstance(entry.spec, Mapping) and any(isinstance(key, str) for key in entry.spec)
+        for name, _ in entry.modules
+    ]
+    for entry in entries:
+        if isinstance(entry.spec, (Mapping, Unsplit)) or not entry.terminal:
+            continue
+        for name, _ in entry.modules:
+            block = name.rpartition(".")[0] if name else ""
+            while block and isinstance(modules[block], _CONTAINERS):
+                block = block.rpartition(".")[0]
+            inside = [path for path in splits if block and path.startswith(block + ".")]
+            if inside:
+                raise ValueError(
+                    f"loss_parallel leaves the last gather, at {name!r}, sharded, but {block!r} also splits "
+                    f"({', '.join(repr(path) for path in inside[:3])}): its own code would combine the shard "
+                    "with whole, replicated tokens. Train this plan without loss_parallel (the outputs are "
+                    "gathered, and exact), or gather once, in the model's last per-token module."
+                )
+
+
 def _split(x: torch.Tensor, spec: ContextParallelInput, group, where: str, check=None, state=None) -> torch.Tensor:
     if x.dim() <= spec.split_dim:
         # The entry does not apply to this form of the input, e.g. Wan's plan splits a per-token

@@ -184,3 +184,25 @@ def test_checker_scales_down_a_diffusers_config(tmp_path):
     # architecture switches come from the user's config, sizes stay tiny
     assert model.config.qk_norm == "rms_norm" and model.config.cross_attn_norm is False
     assert model.config.num_layers == 1 and model.config.num_attention_heads == 4
+
+
+def test_loss_parallel_is_refused_for_plans_whose_last_gather_returns_into_a_block():
+    """Helios's plan gathers inside each block, whose own code then adds the output to whole tokens: loss-parallel
+    (which leaves that gather sharded) is a clear error before any process group is needed, while every other
+    library plan (its last gather feeds per-token modules only) is accepted."""
+    import diffusers
+    import torch
+
+    from cp_lightning.models import plan_for
+    from cp_lightning.plan import check_loss_parallel, resolve_plan
+
+    refused = {}
+    for name, case in CASES.items():
+        with torch.device("meta"):
+            model = getattr(diffusers, case.cls)(**case.config)
+        try:
+            check_loss_parallel(model, resolve_plan(model, plan_for(model)))
+        except ValueError as err:
+            refused[name] = str(err)
+    assert sorted(refused) == ["helios"], refused
+    assert "'blocks.0.ffn'" in refused["helios"] and "without loss_parallel" in refused["helios"]
