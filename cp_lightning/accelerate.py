@@ -28,6 +28,7 @@ from __future__ import annotations
 import functools
 import os
 from collections.abc import Mapping, Sequence
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -36,7 +37,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader
 
-from cp_lightning import data_parallel
+from cp_lightning import data_parallel, faults
 from cp_lightning.compilation import compile_options, compile_targets
 from cp_lightning.mesh import CP, DP, _local_world_size, build_mesh, validate_degrees
 
@@ -172,6 +173,11 @@ class ContextParallel:
         compile: compile the prepared models' repeated blocks with ``torch.compile(fullgraph=True)`` after
             parallelizing and before DDP: True, or a dict of ``torch.compile`` arguments
             (``cp_lightning.compilation``).
+        timeout: how long a collective waits for its peers (a ``timedelta`` or seconds), in the world and every
+            group of the mesh, before it fails. None: the world group's own timeout (Accelerate's
+            ``InitProcessGroupKwargs(timeout=...)``, else torch's default) is given to the mesh groups too;
+            torch would give them 30 min (NCCL: 10 min) whatever the world's. Set here after the rendezvous,
+            so ``InitProcessGroupKwargs`` may keep a longer start-up wait.
     """
 
     def __init__(
@@ -192,8 +198,10 @@ class ContextParallel:
         hsdp: bool = False,
         fsdp_blocks: Sequence[str] | None = None,
         compile: bool | Mapping = False,
+        timeout: timedelta | float | None = None,
     ) -> None:
         data_parallel.check_cp_options(cp, ring, plan, kernel, check_steps)
+        self.timeout = faults.check_timeout(timeout) if timeout is not None else None
         self.fsdp_options = data_parallel.fsdp_options(
             fsdp, reshard_after_forward=reshard_after_forward, cpu_offload=cpu_offload, hsdp=hsdp, blocks=fsdp_blocks
         )
@@ -221,6 +229,11 @@ class ContextParallel:
             torch.manual_seed(self.seed)
             return
         self.mesh = build_mesh(cp, ring=ring, device_type=accelerator.device.type, allow_cross_node=True)
+        # new groups get the backend's 30 min whatever the world's timeout (InitProcessGroupKwargs(timeout=...))
+        if self.timeout is None:
+            self.timeout = faults.group_timeout()
+        if self.timeout is not None:
+            faults.set_collective_timeout(self.timeout, self.mesh, ring)
         self.seed = data_parallel.seed_by_dp_rank(self.dp_rank, seed if seed is not None else torch.initial_seed())
 
     @property

@@ -223,13 +223,9 @@ def check_timeout(timeout: timedelta | float | int) -> timedelta:
     return timeout if isinstance(timeout, timedelta) else timedelta(seconds=seconds)
 
 
-def set_collective_timeout(timeout: timedelta, mesh, ring: int) -> None:
-    """Give every process group of ``mesh`` (dp, cp, ring, ulysses) and the world ``timeout``. Collective.
-
-    ``new_group`` gives each new group the backend's default (30 min), not the world's timeout, so a hang
-    inside a CP group would otherwise wait half an hour whatever the strategy was told. A barrier first,
-    so that no rank starts collectives under the new limit while a slow peer still works under the old one.
-    """
+def mesh_groups(mesh, ring: int) -> list:
+    """Every process group a CP job uses: the world, the mesh's (dp, cp, flattened) and the CP attention groups
+    (cp, ulysses, ring)."""
     from cp_lightning.mesh import cp_groups
 
     groups = {id(g): g for g in [dist.group.WORLD, *mesh.get_all_groups()]}
@@ -237,8 +233,30 @@ def set_collective_timeout(timeout: timedelta, mesh, ring: int) -> None:
     for g in (extra.cp, extra.ulysses, extra.ring):
         if g is not None:
             groups[id(g)] = g
+    return list(groups.values())
+
+
+def group_timeout(group=None) -> timedelta | None:
+    """The timeout ``group``'s backend gives its collectives (default: the world's); None if unreadable."""
+    group = group if group is not None else dist.group.WORLD
+    for device in group._device_types:
+        try:
+            return group._get_backend(device).options._timeout
+        except (AttributeError, RuntimeError):  # a backend without options (a fake or wrapped one)
+            continue
+    return None
+
+
+def set_collective_timeout(timeout: timedelta, mesh, ring: int) -> None:
+    """Give every process group of ``mesh`` (dp, cp, ring, ulysses) and the world ``timeout``. Collective.
+
+    ``new_group`` gives each new group the backend's default (30 min), not the world's timeout, so a hang
+    inside a CP group would otherwise wait half an hour whatever the strategy was told. A barrier first,
+    so that no rank starts collectives under the new limit while a slow peer still works under the old one.
+    """
+    groups = mesh_groups(mesh, ring)
     dist.barrier()
-    for group in groups.values():
+    for group in groups:
         dist.distributed_c10d._set_pg_timeout(timeout, group)
 
 

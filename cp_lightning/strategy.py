@@ -61,6 +61,17 @@ class _ContextParallel:
     def fsdp(self) -> bool:
         return self.fsdp_options is not None
 
+    def _init_timeout(self, timeout, kwargs: dict) -> None:
+        # Joining at start-up can take longer than any collective should (ranks import and load at their own
+        # pace): the rendezvous waits at least Lightning's default, the collectives `timeout` from setup on.
+        self._collective_timeout = faults.check_timeout(timeout) if timeout is not None else None
+        if timeout is not None:
+            kwargs["timeout"] = max(self._collective_timeout, default_pg_timeout)
+
+    def _set_collective_timeout(self) -> None:
+        """Collective. Every group of the mesh: torch gives new groups 30 min, whatever the world's timeout."""
+        faults.set_collective_timeout(self._collective_timeout or self._timeout, self.device_mesh, self.ring)
+
     def _init_compile(self, compile) -> None:
         self.compile = compile_options(compile)  # None when off; checked before any process starts
 
@@ -257,11 +268,7 @@ class ContextParallelStrategy(_ContextParallel, DDPStrategy):
         self._init_fsdp(fsdp, reshard_after_forward, cpu_offload, hsdp, fsdp_blocks)
         self._init_compile(compile)
         self.nonfinite = faults.NonFiniteCheck(nonfinite)
-        # Joining at start-up can take longer than any collective should (ranks import and load at their own
-        # pace): the rendezvous waits at least Lightning's default, the collectives `timeout` from setup on.
-        self._collective_timeout = faults.check_timeout(timeout) if timeout is not None else None
-        if timeout is not None:
-            kwargs["timeout"] = max(self._collective_timeout, default_pg_timeout)
+        self._init_timeout(timeout, kwargs)
         kwargs.setdefault("checkpoint_io", AtomicCheckpointIO())
         super().__init__(**kwargs)
         self._rank_table: list | None = None
@@ -281,8 +288,7 @@ class ContextParallelStrategy(_ContextParallel, DDPStrategy):
             data_parallel.check_fsdp_model(self.lightning_module, self.plan, options)  # before any collective
         self._parallelize(self.lightning_module)
         self._compile(self.lightning_module)
-        # every group of the mesh: torch gives new groups 30 min, whatever the world's timeout
-        faults.set_collective_timeout(self._collective_timeout or self._timeout, self.device_mesh, self.ring)
+        self._set_collective_timeout()
         super().setup(trainer)
 
     def training_step(self, *args, **kwargs):
@@ -426,6 +432,8 @@ class FabricContextParallelStrategy(_ContextParallel, FabricDDPStrategy):
 
     With ``fsdp=True`` create the optimizer after ``fabric.setup(model)`` from the sharded parameters
     (``fabric.setup_optimizers``); ``fabric.save``/``fabric.load`` write and read sharded checkpoints.
+    ``timeout`` is as for :class:`ContextParallelStrategy`: the rendezvous at ``fabric.launch()`` waits at
+    least Lightning's 30 min, every group of the mesh ``timeout`` from ``fabric.setup(model)`` on.
     """
 
     def __init__(
@@ -444,11 +452,13 @@ class FabricContextParallelStrategy(_ContextParallel, FabricDDPStrategy):
         hsdp: bool = False,
         fsdp_blocks: Sequence[str] | None = None,
         compile: bool | Mapping = False,
+        timeout: timedelta | float | None = None,
         **kwargs: Any,
     ) -> None:
         self._init_cp(cp, ring, plan, loss_parallel, kernel, allow_cross_node, check_steps)
         self._init_fsdp(fsdp, reshard_after_forward, cpu_offload, hsdp, fsdp_blocks)
         self._init_compile(compile)
+        self._init_timeout(timeout, kwargs)
         self._sharded_params: set[int] = set()
         super().__init__(**kwargs)
 
@@ -457,6 +467,7 @@ class FabricContextParallelStrategy(_ContextParallel, FabricDDPStrategy):
             data_parallel.check_fsdp_model(module, self.plan, self.fsdp_options)  # before any collective
         self._parallelize(module)
         self._compile(module)
+        self._set_collective_timeout()  # here, as Lightning's setup: loading the model before may take longer
         if self.fsdp:
             self.module_to_device(module)
             self._shard(module)

@@ -11,6 +11,7 @@ import csv
 import os
 import subprocess
 import sys
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
@@ -164,8 +165,25 @@ def error_cases(rank):
     return out
 
 
+def timeout_case():
+    """Seconds each mesh group waits: by default the world's (240 s here, not torch's 30 min), else `timeout`."""
+    import torch.distributed as dist
+
+    from cp_lightning import faults
+    from cp_lightning.accelerate import ContextParallel
+
+    def seconds(cpx):
+        return sorted({faults.group_timeout(g).total_seconds() for g in faults.mesh_groups(cpx.mesh, cpx.ring)})
+
+    world = faults.group_timeout()
+    out = {"world": world.total_seconds(), "default": seconds(ContextParallel(fresh_accelerator(), cp=2, ring=2))}
+    out["given"] = seconds(ContextParallel(fresh_accelerator(), cp=2, ring=2, timeout=timedelta(seconds=200)))
+    dist.distributed_c10d._set_pg_timeout(world, dist.group.WORLD)  # the later cases keep the spawn's limit
+    return out
+
+
 def cp_worker(rank, world, tmp):
-    out = {"errors": error_cases(rank)}
+    out = {"errors": error_cases(rank), "timeouts": timeout_case()}
     out["sgd"] = run_cp("sgd")
     out["adamw"] = run_cp("adamw", clip=CLIP)
     out["accumulate"] = run_cp("sgd", samples=16, accumulation=2, steps=3)
@@ -381,6 +399,11 @@ ERRORS = {
 }
 
 
+def test_every_mesh_group_gets_the_world_timeout_or_the_given_one(cp_results):
+    for r in cp_results:
+        assert r["timeouts"] == {"world": 240.0, "default": [240.0], "given": [200.0]}, r["timeouts"]
+
+
 @pytest.mark.parametrize("case", list(ERRORS))
 def test_bad_configuration_is_a_clear_error_on_every_rank(cp_results, case):
     kind, text = ERRORS[case]
@@ -402,6 +425,10 @@ def test_single_process_errors():
             ContextParallel(accelerator, cp=2, ring=3)
         with pytest.raises(TypeError, match="expected an accelerate.Accelerator"):
             ContextParallel(object(), cp=1)
+        with pytest.raises(ValueError, match="timeout must be a positive, finite duration"):
+            ContextParallel(accelerator, cp=2, timeout=-1)  # before the layout check: the first thing checked
+        with pytest.raises(TypeError, match="timeout must be a datetime.timedelta or seconds"):
+            ContextParallel(accelerator, cp=1, timeout="30m")
     finally:
         AcceleratorState._reset_state()
         GradientState._reset_state()

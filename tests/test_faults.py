@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from cp_lightning import ContextParallelStrategy
+from cp_lightning import ContextParallelStrategy, FabricContextParallelStrategy
 from cp_lightning.checkpoint_io import AtomicCheckpointIO, repair_epoch_progress
 from cp_lightning.faults import NonFiniteCheck, is_collective_failure
 from tests.distributed import free_port
@@ -223,6 +223,12 @@ def test_fault_options_are_checked_at_construction():
         ContextParallelStrategy(cp=2, timeout="10s")
     with pytest.raises(ValueError, match=r"nonfinite must be one of \('raise', 'skip', 'ignore'\)"):
         ContextParallelStrategy(cp=2, nonfinite="warn")
+    fabric = FabricContextParallelStrategy(cp=2, timeout=90)
+    assert (fabric._collective_timeout, fabric._timeout) == (timedelta(seconds=90), timedelta(minutes=30))
+    with pytest.raises(ValueError, match="timeout must be a positive, finite"):
+        FabricContextParallelStrategy(cp=2, timeout=float("inf"))
+    with pytest.raises(TypeError, match="timeout must be a datetime.timedelta or seconds"):
+        FabricContextParallelStrategy(cp=2, timeout=True)
     assert isinstance(ContextParallelStrategy(cp=2).checkpoint_io, AtomicCheckpointIO)
     assert NonFiniteCheck("ignore").active is False
     # only backend failures get the collective explanation, not the user's own errors

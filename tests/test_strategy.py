@@ -14,7 +14,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from cp_lightning import ContextParallelStrategy
+from cp_lightning import ContextParallelStrategy, faults
 from tests.lightning_tasks import (
     FlowMatching,
     Samples,
@@ -328,7 +328,10 @@ def _fabric_train(fabric):
     # a small result: Lightning's launcher reads it only after the workers exit, through a pipe
     torch.manual_seed(0)
     reference = reference_params(FlowMatching(optimizer="sgd"), dataset, GLOBAL_BATCH, STEPS, clip=None, seed=0)
-    return param_rel_err(params, reference)
+    groups = faults.mesh_groups(fabric.strategy.device_mesh, fabric.strategy.ring)  # the world's and the mesh's
+    timeouts: list = [None] * fabric.world_size
+    torch.distributed.all_gather_object(timeouts, sorted({faults.group_timeout(g).total_seconds() for g in groups}))
+    return param_rel_err(params, reference), timeouts
 
 
 def test_fabric_strategy_matches_one_process():
@@ -336,9 +339,11 @@ def test_fabric_strategy_matches_one_process():
 
     from cp_lightning import FabricContextParallelStrategy
 
-    fabric = Fabric(accelerator="cpu", devices=4, strategy=FabricContextParallelStrategy(cp=2, start_method="spawn"))
-    err = fabric.launch(_fabric_train)
+    strategy = FabricContextParallelStrategy(cp=2, start_method="spawn", timeout=120)
+    fabric = Fabric(accelerator="cpu", devices=4, strategy=strategy)
+    err, timeouts = fabric.launch(_fabric_train)
     assert err <= SGD_TOL, err
+    assert timeouts == [[120.0]] * 4, timeouts  # every group of every rank: timeout=120, not torch's 30 min
 
 
 def test_a_lightning_cli_yaml_selects_the_strategy_with_its_arguments(tmp_path):
