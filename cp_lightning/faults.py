@@ -160,10 +160,10 @@ def _running(pid: int) -> bool:
 class NonFiniteCheck:
     """Per-step flags of non-finite losses and local gradients, agreed on by all ranks before the update."""
 
-    def __init__(self, mode: str) -> None:
+    def __init__(self, mode: str, owner: str = "ContextParallelStrategy") -> None:
         if mode not in NONFINITE_MODES:
             raise ValueError(f"nonfinite must be one of {NONFINITE_MODES}, got {mode!r}.")
-        self.mode = mode
+        self.mode, self.owner = mode, owner  # owner: the class whose nonfinite= the error message points to
         self.skipped = 0
         self._loss_bad: torch.Tensor | None = None
         self._grad_bad: torch.Tensor | None = None
@@ -204,7 +204,7 @@ class NonFiniteCheck:
         if self.mode == "raise":
             raise NonFiniteError(
                 f"{what}. The weights were not updated. Look at this step's batch and the learning rate (or try "
-                "bf16-mixed / gradient clipping), or pass ContextParallelStrategy(..., nonfinite='skip') to skip "
+                f"bf16-mixed / gradient clipping), or pass {self.owner}(..., nonfinite='skip') to skip "
                 "such steps (they are counted and logged)."
             )
         self.skipped += 1

@@ -434,6 +434,9 @@ class FabricContextParallelStrategy(_ContextParallel, FabricDDPStrategy):
     (``fabric.setup_optimizers``); ``fabric.save``/``fabric.load`` write and read sharded checkpoints.
     ``timeout`` is as for :class:`ContextParallelStrategy`: the rendezvous at ``fabric.launch()`` waits at
     least Lightning's 30 min, every group of the mesh ``timeout`` from ``fabric.setup(model)`` on.
+    ``nonfinite`` too: losses are checked in ``fabric.backward``, local gradients (DDP) in the communication
+    hook, and all ranks agree in ``optimizer.step()``, which raises on every rank or skips the step (counted
+    in ``skipped_steps``); the step named is the number of optimizer steps before it.
     """
 
     def __init__(
@@ -453,14 +456,33 @@ class FabricContextParallelStrategy(_ContextParallel, FabricDDPStrategy):
         fsdp_blocks: Sequence[str] | None = None,
         compile: bool | Mapping = False,
         timeout: timedelta | float | None = None,
+        nonfinite: str = "raise",
         **kwargs: Any,
     ) -> None:
         self._init_cp(cp, ring, plan, loss_parallel, kernel, allow_cross_node, check_steps)
         self._init_fsdp(fsdp, reshard_after_forward, cpu_offload, hsdp, fsdp_blocks)
         self._init_compile(compile)
         self._init_timeout(timeout, kwargs)
+        self.nonfinite = faults.NonFiniteCheck(nonfinite, owner="FabricContextParallelStrategy")
+        self._optimizer_steps = 0  # Fabric keeps no step count: the one named in a non-finite step's error
         self._sharded_params: set[int] = set()
         super().__init__(**kwargs)
+
+    @property
+    def skipped_steps(self) -> int:
+        """Optimizer steps skipped for a non-finite loss or gradient (``nonfinite="skip"``)."""
+        return self.nonfinite.skipped
+
+    def backward(self, tensor: torch.Tensor, module, *args, **kwargs) -> None:
+        if self.nonfinite.active:
+            self.nonfinite.note_loss(tensor)  # the gradients are noted in DDP's communication hook
+        super().backward(tensor, module, *args, **kwargs)
+
+    def optimizer_step(self, optimizer, **kwargs):
+        step, self._optimizer_steps = self._optimizer_steps, self._optimizer_steps + 1
+        if self.nonfinite.active and self.nonfinite.resolve(step, self.root_device):  # raises in mode "raise"
+            optimizer.zero_grad(set_to_none=True)  # the optimizer leaves parameters without a gradient alone
+        return super().optimizer_step(optimizer, **kwargs)
 
     def setup_module(self, module: nn.Module):
         if self.fsdp:
@@ -534,6 +556,7 @@ class FabricContextParallelStrategy(_ContextParallel, FabricDDPStrategy):
             if not isinstance(state[k], (nn.Module, torch.optim.Optimizer)):
                 state[k] = full[k]
         self._restore_rng_state((full["cp_lightning"] or {}).get("rng_states"))
+        self.nonfinite.skipped = (full["cp_lightning"] or {}).get("skipped_steps", 0)
         return rest
 
 

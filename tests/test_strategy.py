@@ -328,10 +328,33 @@ def _fabric_train(fabric):
     # a small result: Lightning's launcher reads it only after the workers exit, through a pipe
     torch.manual_seed(0)
     reference = reference_params(FlowMatching(optimizer="sgd"), dataset, GLOBAL_BATCH, STEPS, clip=None, seed=0)
+    err = param_rel_err(params, reference)
     groups = faults.mesh_groups(fabric.strategy.device_mesh, fabric.strategy.ring)  # the world's and the mesh's
-    timeouts: list = [None] * fabric.world_size
-    torch.distributed.all_gather_object(timeouts, sorted({faults.group_timeout(g).total_seconds() for g in groups}))
-    return param_rel_err(params, reference), timeouts
+    local = {"timeouts": sorted({faults.group_timeout(g).total_seconds() for g in groups})}
+    local.update(_fabric_nonfinite_steps(fabric, model, module, optimizer, batch))
+    results: list = [None] * fabric.world_size
+    torch.distributed.all_gather_object(results, local)
+    return err, results
+
+
+def _fabric_nonfinite_steps(fabric, model, module, optimizer, batch) -> dict:
+    """A NaN loss on rank 1 at optimizer step 5: nonfinite="raise" raises on every rank, "skip" skips, and
+    neither updates a weight."""
+    before = [p.detach().clone() for p in module.parameters()]
+    out = {}
+    for mode in ("raise", "skip"):
+        fabric.strategy.nonfinite.mode = mode
+        optimizer.zero_grad()
+        loss = model.loss(batch)[0]
+        fabric.backward(loss * float("nan") if fabric.global_rank == 1 else loss)
+        try:
+            optimizer.step()
+            out[mode] = None
+        except faults.NonFiniteError as err:
+            out[mode] = str(err)
+    out["unchanged"] = all(torch.equal(a, p) for a, p in zip(before, module.parameters(), strict=True))
+    out["skipped"] = fabric.strategy.skipped_steps
+    return out
 
 
 def test_fabric_strategy_matches_one_process():
@@ -341,9 +364,13 @@ def test_fabric_strategy_matches_one_process():
 
     strategy = FabricContextParallelStrategy(cp=2, start_method="spawn", timeout=120)
     fabric = Fabric(accelerator="cpu", devices=4, strategy=strategy)
-    err, timeouts = fabric.launch(_fabric_train)
+    err, results = fabric.launch(_fabric_train)
     assert err <= SGD_TOL, err
-    assert timeouts == [[120.0]] * 4, timeouts  # every group of every rank: timeout=120, not torch's 30 min
+    for r in results:
+        assert r["timeouts"] == [120.0], r  # every group of every rank: timeout=120, not torch's 30 min
+        assert r["raise"].startswith("step 5: non-finite loss on rank(s) [1]; non-finite gradients"), r
+        assert "FabricContextParallelStrategy(..., nonfinite='skip')" in r["raise"], r
+        assert (r["skip"], r["skipped"], r["unchanged"]) == (None, 1, True), r
 
 
 def test_a_lightning_cli_yaml_selects_the_strategy_with_its_arguments(tmp_path):
