@@ -26,6 +26,8 @@ from lightning.fabric.plugins import TorchCheckpointIO
 from lightning.fabric.utilities.cloud_io import get_filesystem
 from lightning.fabric.utilities.types import _PATH
 
+from cp_lightning.faults import process_running
+
 _PREFIX = ".cp_lightning-"
 _SUFFIX = ".partial"
 
@@ -66,20 +68,10 @@ def remove_stale_partials(directory: Path) -> list[Path]:
     host = socket.gethostname()
     for temp in directory.glob(f"{_PREFIX}{host}-*{_SUFFIX}"):
         pid = temp.name[len(f"{_PREFIX}{host}-") :].split("-", 1)[0]
-        if pid.isdigit() and not _alive(int(pid)):
+        if pid.isdigit() and not process_running(int(pid)):
             temp.unlink(missing_ok=True)
             removed.append(temp)
     return removed
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _is_local(path: _PATH) -> bool:

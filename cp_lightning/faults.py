@@ -73,13 +73,13 @@ def explain_collective_failure(
         host = socket.gethostname()
         local = [table[r][1] for r in peers if table[r][0] == host]
         deadline = time.monotonic() + (0 if timed_out else 2.0)
-        while any(_running(pid) for pid in local) and time.monotonic() < deadline:
+        while any(process_running(pid) for pid in local) and time.monotonic() < deadline:
             time.sleep(0.05)  # a killed peer's sockets close while it is still exiting
         for r in peers:
             peer_host, pid = table[r]
             if peer_host != host:
                 elsewhere.append(f"{r} (host {peer_host})")
-            elif _running(pid):
+            elif process_running(pid):
                 running.append(f"{r} (pid {pid})")
             else:
                 gone.append(f"{r} (pid {pid})")
@@ -144,7 +144,8 @@ def _group_ranks(group) -> list[int] | None:
         return None
 
 
-def _running(pid: int) -> bool:
+def process_running(pid: int) -> bool:
+    """Whether process ``pid`` of this host runs (a zombie, dead but not reaped yet, does not)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
