@@ -37,7 +37,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader
 
-from cp_lightning import data_parallel, faults
+from cp_lightning import data_parallel, faults, loading
 from cp_lightning.compilation import compile_options, compile_targets
 from cp_lightning.mesh import CP, DP, _local_world_size, build_mesh, validate_degrees
 
@@ -256,6 +256,8 @@ class ContextParallel:
         for obj in objects:
             if isinstance(obj, nn.Module):
                 _check_model(self.accelerator, obj, self.plan)
+                for module in loading.pending(obj):  # a meta-built model's folder, from its headers
+                    loading.check_pretrained(module)
                 if self.fsdp_options is not None and self.mesh is not None:
                     data_parallel.check_fsdp_model(obj, self.plan, self.fsdp_options)
             elif isinstance(obj, DataLoader) and getattr(obj, "_is_accelerate_prepared", False):
@@ -291,6 +293,8 @@ class ContextParallel:
         return prepared[0] if len(prepared) == 1 else tuple(prepared)
 
     def _prepare_model(self, model: nn.Module) -> nn.Module:
+        if self.fsdp_options is None or self.mesh is None:
+            loading.materialize(model, self.accelerator.device)  # meta-built weights, one tensor at a time
         if self.mesh is None:
             compile_targets(model, self.plan, self.compile)
             return self.accelerator.prepare_model(model)
@@ -327,10 +331,12 @@ class ContextParallel:
             check_steps=self.check_steps,
         )
         compile_targets(model, self.plan, self.compile)  # after parallelize, before fully_shard
-        model.to(acc.device)
+        loading.move_unpending(model, acc.device)  # meta-built weights are allocated after sharding
         data_parallel.apply_fsdp(
             model, mesh=self.mesh, plan=self.plan, options=self.fsdp_options, loss_parallel=self.loss_parallel
         )
+        # each rank allocates and reads only its own shards (in host memory with cpu_offload)
+        loading.materialize(model, "cpu" if self.fsdp_options.cpu_offload else acc.device)
         if self.fsdp_options.param_dtype is not None:  # what accelerator.prepare_model does for bf16: autocast
             forward = model.forward
 

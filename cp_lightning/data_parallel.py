@@ -57,6 +57,7 @@ __all__ = [
     "restore_rng_state",
     "seed_by_dp_rank",
     "sum_cp_mean_dp_hook",
+    "sync_module_states",
 ]
 
 
@@ -150,6 +151,61 @@ def parallelize_targets(
                 loss_parallel=loss_parallel,
                 check_steps=check_steps,
             )
+
+
+# -- DDP: one copy of the weights, equal on every rank ---------------------------------------------
+_INT_VIEWS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _checksum(tensor: torch.Tensor, chunk: int = 1 << 20) -> torch.Tensor:
+    """An exact, bitwise checksum of ``tensor`` (sums of its bits as integers, chunk by chunk: no copy of
+    the tensor in int64)."""
+    flat = tensor.detach().reshape(-1)
+    if flat.is_floating_point() or flat.is_complex():
+        flat = flat.view(_INT_VIEWS[flat.element_size()])
+    total = torch.zeros((), dtype=torch.int64, device=flat.device)
+    for start in range(0, flat.numel(), chunk):
+        part = flat[start : start + chunk].to(torch.int64)
+        # (int64 sums wrap alike on every rank: order-independent, so equal tensors give equal checksums)
+        total += (part * (start // chunk + 1)).sum() + (part * part).remainder(1_000_003).sum()
+    return total
+
+
+@torch.no_grad()
+def sync_module_states(module: nn.Module) -> int:
+    """What DDP does at construction (every parameter and buffer equal to rank 0's), without its copies.
+
+    DDP's own sync broadcasts every tensor, frozen ones included, through 250 MB flat buckets: on the ranks
+    that receive, the bucket plus the tensors it is copied into (a memory-mapped file's pages turn into
+    private memory): ~1.4x the model in host memory at start-up. Here each tensor's checksum is compared
+    across ranks (two small all-reduces) and only tensors that differ are broadcast from rank 0, one at a
+    time, in place. Collective: every rank calls it; pass ``init_sync=False`` to DDP after it. Returns the
+    number of tensors broadcast."""
+    tensors = [*module.parameters(), *module.buffers()]
+    device = tensors[0].device if tensors else torch.device("cpu")
+    if dist.get_backend() == "nccl":
+        device = torch.device("cuda", torch.cuda.current_device())
+    shape = [len(tensors), sum(t.numel() for t in tensors)]
+    low, high = _min_max(torch.tensor(shape, dtype=torch.int64, device=device))
+    if not torch.equal(low, high):  # (the same answer on every rank: all raise, none waits)
+        raise ValueError(
+            f"the ranks' models differ in structure (tensors and elements from {low.tolist()} to "
+            f"{high.tolist()}); every rank must build the same model before DDP wraps it."
+        )
+    if not tensors:
+        return 0
+    low, high = _min_max(torch.stack([_checksum(t).to(device) for t in tensors]))
+    differ = (low != high).nonzero().flatten().tolist()
+    for i in differ:
+        dist.broadcast(tensors[i].data, src=0)
+    return len(differ)
+
+
+def _min_max(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    low, high = values.clone(), values.clone()
+    dist.all_reduce(low, op=dist.ReduceOp.MIN)
+    dist.all_reduce(high, op=dist.ReduceOp.MAX)
+    return low, high
 
 
 # -- DDP gradient math ------------------------------------------------------------------------------
@@ -383,9 +439,16 @@ def lora_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
     """The peft LoRA weights of a (possibly sharded) diffusers model, consolidated, keys without the adapter
     name (what ``save_lora_weights`` takes). Every rank calls it; rank 0 gets the tensors, others ``{}``."""
     from peft.utils import get_peft_model_state_dict
+    from torch.distributed.tensor import DTensor
 
-    state = full_state_dict(module)  # sharded LoRA tensors are DTensors save_lora_weights cannot write
-    if not state:
+    # Only the adapter's tensors are gathered (one at a time, every rank in the same order): consolidating the
+    # whole state would put the frozen base, all of it, on rank 0. Sharded LoRA tensors are DTensors, which
+    # save_lora_weights cannot write.
+    state = {}
+    for name, tensor in module.state_dict().items():
+        if "lora_" in name:
+            state[name] = (tensor.full_tensor() if isinstance(tensor, DTensor) else tensor).detach().cpu()
+    if is_sharded(module) and dist.get_rank() != 0:
         return {}
     return get_peft_model_state_dict(module, state_dict=state)
 

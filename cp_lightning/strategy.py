@@ -35,7 +35,7 @@ from lightning.pytorch.strategies.launchers.subprocess_script import _Subprocess
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from cp_lightning import data_parallel, faults, sharded_checkpoint
+from cp_lightning import data_parallel, faults, loading, sharded_checkpoint
 from cp_lightning.checkpoint_io import AtomicCheckpointIO, repair_epoch_progress
 from cp_lightning.compilation import compile_options, compile_targets
 from cp_lightning.mesh import CP, DP, build_mesh
@@ -186,6 +186,27 @@ class _ContextParallel:
             root, mesh=self.device_mesh, plan=self.plan, options=options, loss_parallel=self.loss_parallel
         )
 
+    # -- weights built on the meta device (cp_lightning.loading.empty_model) --------------------------
+    def _check_pretrained(self, root: nn.Module) -> None:
+        """Before any collective: every meta-built module's folder holds its weights (headers only)."""
+        for module in loading.pending(root):
+            loading.check_pretrained(module)
+
+    def _load_pretrained(self, root: nn.Module) -> bool:
+        """Allocate and load the meta-built modules of ``root`` on this rank's device: after sharding under
+        FSDP (each rank reads its own slices), before wrapping under DDP (whole tensors, one at a time)."""
+        offload = self.fsdp and self.fsdp_options.cpu_offload  # FSDP keeps the shards in host memory then
+        return bool(loading.materialize(root, "cpu" if offload else self.root_device))
+
+    def _sync_states(self, module: nn.Module) -> None:
+        """Collective. DDP's start-up broadcast without its 250 MB buckets and copies of every weight (see
+        data_parallel.sync_module_states), unless the user set DDP's own ``init_sync``."""
+        if not hasattr(self, "_own_state_sync"):
+            self._own_state_sync = "init_sync" not in self._ddp_kwargs
+        if self._own_state_sync:
+            data_parallel.sync_module_states(module)
+            self._ddp_kwargs["init_sync"] = False
+
     def _checkpoint_meta(self) -> dict:
         meta = {"rng_states": self._gather_rng_states(), "cp": self.cp, "ring": self.ring, "fsdp": self.fsdp}
         if hasattr(self, "nonfinite"):
@@ -286,6 +307,9 @@ class ContextParallelStrategy(_ContextParallel, DDPStrategy):
         if self.fsdp:
             options = self.fsdp_options
             data_parallel.check_fsdp_model(self.lightning_module, self.plan, options)  # before any collective
+        self._check_pretrained(self.lightning_module)
+        if not self.fsdp:
+            self._load_pretrained(self.lightning_module)
         self._parallelize(self.lightning_module)
         self._compile(self.lightning_module)
         self._set_collective_timeout()
@@ -328,11 +352,17 @@ class ContextParallelStrategy(_ContextParallel, DDPStrategy):
         if isinstance(self.launcher, _SubprocessScriptLauncher):
             faults.stop_processes(self.launcher.procs)
 
+    def model_to_device(self) -> None:
+        # meta-built weights are allocated on the device by configure_ddp, after sharding
+        loading.move_unpending(self.model, self.root_device)
+
     def configure_ddp(self) -> None:
         if self.fsdp:
             # sharded in place: the LightningModule itself stays the model Lightning drives
             self._shard(self.lightning_module)
+            self._load_pretrained(self.lightning_module)
             return
+        self._sync_states(self.model)
         super().configure_ddp()
         self._register_cp_hook(self.model)
 
@@ -484,17 +514,26 @@ class FabricContextParallelStrategy(_ContextParallel, FabricDDPStrategy):
             optimizer.zero_grad(set_to_none=True)  # the optimizer leaves parameters without a gradient alone
         return super().optimizer_step(optimizer, **kwargs)
 
+    def module_to_device(self, module: nn.Module) -> None:
+        # meta-built weights are allocated on the device by setup_module (after sharding under FSDP)
+        loading.move_unpending(module, self.root_device)
+
     def setup_module(self, module: nn.Module):
         if self.fsdp:
             data_parallel.check_fsdp_model(module, self.plan, self.fsdp_options)  # before any collective
+        self._check_pretrained(module)
+        if not self.fsdp:
+            self._load_pretrained(module)
         self._parallelize(module)
         self._compile(module)
         self._set_collective_timeout()  # here, as Lightning's setup: loading the model before may take longer
         if self.fsdp:
             self.module_to_device(module)
             self._shard(module)
+            self._load_pretrained(module)
             self._sharded_params.update(id(p) for p in module.parameters())
             return module
+        self._sync_states(module)
         ddp = super().setup_module(module)
         self._register_cp_hook(ddp)
         return ddp

@@ -258,3 +258,17 @@ def load_transformer(family: str, pretrained: str, cache_dir: str | Path, subfol
 
     cls = getattr(diffusers, FAMILIES[family][1])
     return cls.from_pretrained(resolve_pretrained(family, pretrained, cache_dir), subfolder=subfolder, **kwargs)
+
+
+def empty_transformer(family: str, pretrained: str, cache_dir: str | Path, subfolder: str = "transformer", dtype=None):
+    """The family's transformer built on the meta device from a local folder's config (cp_lightning.loading):
+    its weights are read later, by each rank for what it holds. None when ``pretrained`` is no local folder
+    (a hub id: ``from_pretrained`` downloads it)."""
+    import diffusers
+
+    from cp_lightning import loading
+
+    path = Path(resolve_pretrained(family, pretrained, cache_dir))
+    if not (path / subfolder / "config.json").is_file():
+        return None
+    return loading.empty_model(getattr(diffusers, FAMILIES[family][1]), path, subfolder=subfolder, dtype=dtype)

@@ -13,9 +13,9 @@ import torch
 import torch.nn.functional as F
 from lightning.pytorch.cli import LightningCLI
 
-from cp_lightning import loss_shard
+from cp_lightning import loading, loss_shard
 from recipes import training
-from recipes.components import load_transformer
+from recipes.components import empty_transformer, load_transformer
 from recipes.console import quiet
 
 quiet()
@@ -23,7 +23,8 @@ quiet()
 
 def prepare_for_training(transformer, lora_rank: int, targets: list[str], seed: int, checkpointing: bool):
     """Add a LoRA adapter (``lora_rank > 0``, base frozen) with a layout-independent init; trainable
-    weights in fp32; optional gradient checkpointing."""
+    weights in fp32; optional gradient checkpointing. ``transformer`` may be on the meta device
+    (cp_lightning.loading.empty_model): its LoRA is then initialised when its weights load."""
     if lora_rank:
         from peft import LoraConfig
 
@@ -33,12 +34,25 @@ def prepare_for_training(transformer, lora_rank: int, targets: list[str], seed: 
             transformer.add_adapter(
                 LoraConfig(r=lora_rank, lora_alpha=lora_rank, init_lora_weights="gaussian", target_modules=targets)
             )
+        # seeded by (seed, layer name): the same values built eagerly or on the meta device and sharded
+        loading.init_lora(transformer, seed)
     for p in transformer.parameters():
         if p.requires_grad:
             p.data = p.data.float()  # trainable weights (and so their AdamW state) in fp32
     if checkpointing:
         transformer.enable_gradient_checkpointing()
     return transformer.train()  # from_pretrained returns eval mode; training runs every module in train mode
+
+
+def check_weights_dtype(weights_dtype: str, precision) -> None:
+    """Half-precision frozen weights need autocast: under ``32-true`` they would meet fp32 activations and fp32
+    LoRA weights inside ``F.linear`` ("expected m1 and m2 to have the same dtype")."""
+    if weights_dtype in ("bfloat16", "float16") and str(precision) in ("32-true", "32", "64-true", "64"):
+        raise ValueError(
+            f"model.weights_dtype={weights_dtype!r} with trainer.precision={str(precision)!r}: the {weights_dtype} "
+            "weights would meet float32 activations unconverted. Use --trainer.precision=bf16-mixed (autocast), "
+            "or keep model.weights_dtype=float32."
+        )
 
 
 def flow_matching_loss(pred, target, transformer, step: int, weights: torch.Tensor | None = None) -> torch.Tensor:
@@ -128,12 +142,22 @@ class FlowMatchingFineTune(L.LightningModule):
             return
         h = self.hparams
         dtype = getattr(torch, h.weights_dtype)
-        transformer = load_transformer(
-            self.family, h.pretrained, h.cache_dir, dtype=dtype, subfolder=self.transformer_subfolder
+        strategy = self._trainer.strategy if self._trainer is not None else None
+        check_weights_dtype(h.weights_dtype, getattr(self._trainer, "precision", None))
+        # Built on the meta device, then loaded one tensor at a time: under FSDP by the strategy after sharding
+        # (each rank reads only its slices), otherwise here, straight onto this rank's device.
+        transformer = empty_transformer(
+            self.family, h.pretrained, h.cache_dir, subfolder=self.transformer_subfolder, dtype=dtype
         )
+        if transformer is None:
+            transformer = load_transformer(
+                self.family, h.pretrained, h.cache_dir, dtype=dtype, subfolder=self.transformer_subfolder
+            )
         targets = list(h.lora_targets or self.lora_targets)
         self.transformer = prepare_for_training(transformer, h.lora_rank, targets, h.seed, h.gradient_checkpointing)
-        if h.ema_decay:
+        if not getattr(strategy, "fsdp", False):
+            loading.materialize(self.transformer, getattr(strategy, "root_device", None))
+        if h.ema_decay and not loading.pending(self.transformer):  # (else in make_optimizer, once loaded)
             self.ema = training.TrainableEMA(self.trainable_parameters(), h.ema_decay)
 
     def trainable_parameters(self) -> list[tuple[str, torch.nn.Parameter]]:
@@ -184,6 +208,8 @@ class FlowMatchingFineTune(L.LightningModule):
         params = [p for _, p in self.trainable_parameters()]
         if self.ema is not None:  # (created in configure_model, before FSDP replaced the parameters by shards)
             self.ema.follow(self.trainable_parameters())
+        elif h.ema_decay:  # the transformer was meta-built and loaded by the strategy
+            self.ema = training.TrainableEMA(self.trainable_parameters(), h.ema_decay)
         optimizer = torch.optim.AdamW(params, lr=h.learning_rate, weight_decay=1e-4)
         return optimizer, training.lr_schedule(optimizer, h.lr_scheduler, h.warmup_steps, total_steps)
 
@@ -259,6 +285,7 @@ class RecipeCLI(LightningCLI):
 
         h = self.model.hparams
         training.check_schedule(h.lr_scheduler, h.warmup_steps, self.trainer.max_steps)
+        check_weights_dtype(h.weights_dtype, self.trainer.precision)
         family = self.model_class.family
         for section in ("export", "checkpoint"):
             key = "format" if section == "export" else "export_format"

@@ -56,10 +56,25 @@ class FlowMatching(L.LightningModule):
         fail_rank: int | None = None,
         tokens: int = TOKENS,
         text_tokens: int = TEXT_TOKENS,
+        pretrained: str | None = None,
+        meta: bool = False,
     ):
+        """``pretrained``: a diffusers folder of the tiny Flux to load (``from_pretrained``, or with ``meta`` built
+        on the meta device and loaded by the strategy, cp_lightning.loading); LoRA then starts from
+        ``loading.init_lora``'s seeded values."""
         super().__init__()
         self.save_hyperparameters()
-        self.transformer = tiny_model("flux")
+        if pretrained is None:
+            self.transformer = tiny_model("flux")
+        else:
+            from diffusers import FluxTransformer2DModel
+
+            from cp_lightning import loading
+
+            if meta:
+                self.transformer = loading.empty_model(FluxTransformer2DModel, pretrained)
+            else:
+                self.transformer = FluxTransformer2DModel.from_pretrained(pretrained).train()
         if lora:
             from peft import LoraConfig
 
@@ -69,6 +84,8 @@ class FlowMatching(L.LightningModule):
                     r=4, lora_alpha=4, init_lora_weights="gaussian", target_modules=["to_q", "to_k", "to_v", "to_out.0"]
                 )
             )
+            if pretrained is not None:
+                loading.init_lora(self.transformer, seed=0)
         ids = tiny_inputs("flux", self.transformer, batch=1, tokens=tokens, text_tokens=text_tokens)
         self.register_buffer("img_ids", ids["img_ids"], persistent=False)
         self.register_buffer("txt_ids", ids["txt_ids"], persistent=False)

@@ -62,6 +62,17 @@ def test_warmup_longer_than_training_fails_before_any_process_starts(monkeypatch
         main(args)  # raised in the CLI's before_fit: the Trainer has launched nothing yet
 
 
+def test_bf16_weights_without_autocast_fail_before_any_process_starts(monkeypatch):
+    """bf16 frozen weights under 32-true would meet fp32 activations inside F.linear ("expected m1 and m2 to
+    have the same dtype"): a ValueError naming both options and the fix, from the CLI's before_fit."""
+    from recipes.flux import main
+
+    monkeypatch.setattr(sys, "argv", ["recipes.flux"])
+    args = ["fit", "--config", "configs/tiny_flux_cp2.yaml", "--model.weights_dtype=bfloat16"]
+    with pytest.raises(ValueError, match=r"weights_dtype='bfloat16' with trainer.precision='32-true'.*bf16-mixed"):
+        main([*args, "--trainer.precision=32-true"])
+
+
 def test_timestep_shifts_follow_their_formulas():
     latents, index = torch.zeros(64, 4, 2, 2), torch.arange(64)
     _, plain = training.sample_noise_and_t(latents, index, seed=3, epoch=1)
