@@ -53,6 +53,7 @@ __all__ = [
     "gather_rng_states",
     "parallelize_targets",
     "plan_targets",
+    "prepare_ddp",
     "register_ddp_hook",
     "restore_rng_state",
     "seed_by_dp_rank",
@@ -153,6 +154,23 @@ def parallelize_targets(
 
 
 # -- DDP gradient math ------------------------------------------------------------------------------
+def prepare_ddp(module: nn.Module) -> None:
+    """Call before DDP wraps ``module``: its float8 tensors (an fp8 frozen base, :mod:`cp_lightning.fp8`) are
+    broadcast from rank 0 here, as bytes, and hidden from DDP, whose construction-time broadcast of every
+    parameter fails on gloo ("Invalid scalar type": gloo has no float8). Rank 0's weights still win on every rank,
+    as DDP makes them. Collective when ``module`` has float8 tensors (every rank calls it); else a no-op."""
+    from cp_lightning.fp8 import FP8_DTYPES
+
+    named = [*module.named_parameters(), *module.named_buffers()]
+    fp8 = [(name, t) for name, t in named if t.dtype in FP8_DTYPES]
+    if not fp8:
+        return
+    if dist.get_world_size() > 1:  # a uint8 view writes the broadcast bytes into the float8 storage
+        dist._broadcast_coalesced(dist.group.WORLD, [t.view(torch.uint8) for _, t in fp8], 2**26, 0)
+    ignored = set(getattr(module, "_ddp_params_and_buffers_to_ignore", ())) | {name for name, _ in fp8}
+    nn.parallel.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(module, sorted(ignored))
+
+
 def sum_cp_mean_dp_hook(dp_size, bucket):
     """All-reduce a gradient bucket over dp x cp and divide by dp: SUM over cp, MEAN over dp.
 

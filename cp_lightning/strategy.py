@@ -333,6 +333,7 @@ class ContextParallelStrategy(_ContextParallel, DDPStrategy):
             # sharded in place: the LightningModule itself stays the model Lightning drives
             self._shard(self.lightning_module)
             return
+        data_parallel.prepare_ddp(self.model)  # an fp8 frozen base: gloo cannot broadcast float8
         super().configure_ddp()
         self._register_cp_hook(self.model)
 
@@ -495,6 +496,7 @@ class FabricContextParallelStrategy(_ContextParallel, FabricDDPStrategy):
             self._shard(module)
             self._sharded_params.update(id(p) for p in module.parameters())
             return module
+        data_parallel.prepare_ddp(module)  # an fp8 frozen base: gloo cannot broadcast float8
         ddp = super().setup_module(module)
         self._register_cp_hook(ddp)
         return ddp
