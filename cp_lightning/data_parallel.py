@@ -401,9 +401,16 @@ def lora_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
     """The peft LoRA weights of a (possibly sharded) diffusers model, consolidated, keys without the adapter
     name (what ``save_lora_weights`` takes). Every rank calls it; rank 0 gets the tensors, others ``{}``."""
     from peft.utils import get_peft_model_state_dict
+    from torch.distributed.tensor import DTensor
 
-    state = full_state_dict(module)  # sharded LoRA tensors are DTensors save_lora_weights cannot write
-    if not state:
+    # only the trainable tensors are consolidated (sharded LoRA tensors are DTensors save_lora_weights cannot
+    # write): gathering the frozen base too would cost its full size on rank 0, and gloo cannot gather float8
+    sharded = is_sharded(module)
+    state = {}
+    for name, p in module.named_parameters():
+        if p.requires_grad:
+            state[name] = (p.full_tensor() if isinstance(p, DTensor) else p).detach().cpu()
+    if sharded and dist.get_rank() != 0:
         return {}
     return get_peft_model_state_dict(module, state_dict=state)
 

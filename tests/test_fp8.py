@@ -114,6 +114,14 @@ def fsdp_cases(mesh, reference, reference_bf16) -> dict:
         out[name] = errors(step(model, model, inputs_of(model, 10), autocast=autocast), ref)
         weight = model.transformer_blocks[0].attn.to_q.base_layer.weight
         out[name + "-storage"] = (str(weight.to_local().dtype), isinstance(weight, DTensor))
+    # the LoRA export of the sharded fp8 model: only the adapter is gathered (gloo has no float8 all-gather)
+    from peft.utils import get_peft_model_state_dict
+
+    from cp_lightning.data_parallel import lora_state_dict
+
+    exported, want = lora_state_dict(model), get_peft_model_state_dict(lora_flux())
+    out["lora-export"] = sorted(exported) == sorted(want) and all(torch.equal(exported[k], want[k]) for k in want)
+    out["lora-export"] = out["lora-export"] if dist.get_rank() == 0 else exported == {}
     # frozen-base bytes this rank holds, fp8 against the same model with a bf16 base
     bf16 = lora_flux(torch.bfloat16, fp8=False)
     parallelize(bf16, mesh=mesh, ring=1)
@@ -174,6 +182,10 @@ def test_ddp_broadcasts_the_fp8_weights_itself_and_hides_them_from_ddp(results):
     # gloo has no float8: DDP's own broadcast of them would raise "Invalid scalar type"
     for ignored in results["ddp-ignored"]:
         assert ignored and all(name.endswith(".weight") for name in ignored), ignored
+
+
+def test_the_lora_of_a_sharded_fp8_model_exports_without_gathering_the_base(results):
+    assert results["lora-export"] == [True, True]
 
 
 def test_fsdp_keeps_sharded_fp8_storage(results):
@@ -339,3 +351,26 @@ def test_bad_input_is_a_clear_error():
 
     with pytest.raises(ValueError, match="lora_rank=0"):
         FluxLoRA(lora_rank=0, base_dtype="float8_e4m3fn")
+
+
+@pytest.mark.slow
+def test_the_tiny_recipe_loss_with_an_fp8_base_is_within_2_percent_of_bf16(tmp_path, capsys):
+    """configs/tiny_flux_cp2.yaml (Lightning, cp=2, DDP) for 100 steps with a bf16 base, and with the same base
+    in fp8: the same noise and timesteps per step, so the curves differ by the base's rounding only."""
+    from tests.test_recipes import losses, run_recipe
+
+    common = (
+        "--trainer.max_steps=100",
+        "--trainer.precision=bf16-mixed",
+        "--model.weights_dtype=bfloat16",
+        "--samples.every_n_steps=1000",  # step 0 and the end only: sampling runs through the fp8 layers too
+        "--checkpoint.every_n_steps=1000",
+    )
+    bf16 = losses(run_recipe(tmp_path, "bf16", *common))
+    fp8 = losses(run_recipe(tmp_path, "fp8", *common, "--model.base_dtype=float8_e4m3fn"))
+    assert len(bf16) == len(fp8) == 100 and bf16 != fp8  # the base was converted: the curves are not identical
+    smooth_bf16, smooth_fp8 = sum(bf16[-20:]) / 20, sum(fp8[-20:]) / 20  # the last 20 steps' mean
+    with capsys.disabled():
+        print(f"\nsmoothed loss at step 100: bf16 {smooth_bf16:.4f}, fp8 base {smooth_fp8:.4f}")
+    assert abs(smooth_fp8 - smooth_bf16) <= 0.02 * smooth_bf16, (smooth_bf16, smooth_fp8)
+    assert smooth_fp8 < 0.6 * sum(fp8[:10]) / 10  # and it learns
