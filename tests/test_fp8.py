@@ -322,6 +322,19 @@ def test_frozen_base_bytes_halve_against_bf16_at_real_scale(capsys):
         assert math.isclose(ratio, 0.5, abs_tol=0.01), ratios  # (acceptance: 0.5 +- 2%)
 
 
+def test_exclude_keeps_named_layers_and_a_second_call_changes_nothing():
+    from cp_lightning import to_fp8_base as exported
+    from cp_lightning.tiny import tiny_model
+
+    model = exported(tiny_model("flux").requires_grad_(False), exclude=["proj_out", "norm_out.linear"])
+    assert type(model.proj_out) is nn.Linear and type(model.norm_out.linear) is nn.Linear
+    assert type(model.single_transformer_blocks[0].proj_out) is nn.Linear  # a suffix match: ".proj_out"
+    assert isinstance(model.x_embedder, FP8Linear)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    to_fp8_base(model, exclude=["proj_out", "norm_out.linear"])
+    assert all(torch.equal(v.view(torch.uint8), before[k].view(torch.uint8)) for k, v in model.state_dict().items())
+
+
 def test_bad_input_is_a_clear_error():
     linear = nn.Linear(4, 4).requires_grad_(False)
     with pytest.raises(ValueError, match="not a float8 storage dtype"):
