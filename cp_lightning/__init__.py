@@ -1,11 +1,13 @@
 """cp_lightning: exact context parallelism for training diffusion transformers.
 
 Public entry points: :func:`build_mesh` (the (dp, cp) device mesh) and :func:`parallelize`
-(split/gather hooks plus context-parallel attention on a diffusers model).
+(split/gather hooks plus context-parallel attention on a diffusers model); :func:`to_fp8_base` stores a
+LoRA run's frozen base in float8 (:mod:`cp_lightning.fp8`).
 """
 
 from cp_lightning.checks import CPMismatchError
 from cp_lightning.compilation import compile_blocks
+from cp_lightning.fp8 import FP8Linear, fp8_weight_error, quantize_fp8, to_fp8_base
 from cp_lightning.mesh import build_mesh
 from cp_lightning.parallelize import loss_shard, parallelize, remove
 from cp_lightning.plan import Unsplit
@@ -14,12 +16,16 @@ from cp_lightning.strategy import ContextParallelStrategy, FabricContextParallel
 __all__ = [
     "CPMismatchError",
     "ContextParallelStrategy",
+    "FP8Linear",
     "FabricContextParallelStrategy",
     "Unsplit",
     "build_mesh",
     "compile_blocks",
+    "fp8_weight_error",
     "loss_shard",
     "parallelize",
+    "quantize_fp8",
     "remove",
+    "to_fp8_base",
 ]
 __version__ = "0.1.0"

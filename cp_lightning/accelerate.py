@@ -310,6 +310,7 @@ class ContextParallel:
             check_steps=self.check_steps,
         )
         compile_targets(model, self.plan, self.compile)  # after parallelize, before DDP
+        data_parallel.prepare_ddp(model)  # an fp8 frozen base: gloo cannot broadcast float8
         wrapped = self.accelerator.prepare_model(model)  # device placement, autocast, DDP over dp x cp
         # not wrapped: nothing trainable, nothing to reduce; loss-parallel: DDP's own mean is exact
         if isinstance(wrapped, DistributedDataParallel):

@@ -53,6 +53,7 @@ __all__ = [
     "gather_rng_states",
     "parallelize_targets",
     "plan_targets",
+    "prepare_ddp",
     "register_ddp_hook",
     "restore_rng_state",
     "seed_by_dp_rank",
@@ -197,8 +198,10 @@ def sync_module_states(module: nn.Module) -> int:
         return 0
     low, high = _min_max(torch.stack([_checksum(t).to(device) for t in tensors]))
     differ = (low != high).nonzero().flatten().tolist()
-    for i in differ:
-        dist.broadcast(tensors[i].data, src=0)
+    for i in differ:  # (a uint8 view of float8 data: gloo has no float8)
+        data = tensors[i].data
+        dist.broadcast(data.view(torch.uint8) if data.dtype in _FLOAT8 else data, src=0)
+    hide_float8_from_ddp(module)
     return len(differ)
 
 
@@ -210,6 +213,35 @@ def _min_max(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 # -- DDP gradient math ------------------------------------------------------------------------------
+def prepare_ddp(module: nn.Module) -> None:
+    """Call before DDP wraps ``module``: its float8 tensors (an fp8 frozen base, :mod:`cp_lightning.fp8`) are
+    broadcast from rank 0 here, as bytes, and hidden from DDP, whose construction-time broadcast of every
+    parameter fails on gloo ("Invalid scalar type": gloo has no float8). Rank 0's weights still win on every rank,
+    as DDP makes them. Collective when ``module`` has float8 tensors (every rank calls it); else a no-op."""
+    fp8 = _float8_tensors(module)
+    if not fp8:
+        return
+    if dist.get_world_size() > 1:  # a uint8 view writes the broadcast bytes into the float8 storage
+        dist._broadcast_coalesced(dist.group.WORLD, [t.view(torch.uint8) for _, t in fp8], 2**26, 0)
+    hide_float8_from_ddp(module)
+
+
+_FLOAT8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def _float8_tensors(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    named = [*module.named_parameters(), *module.named_buffers()]
+    return [(name, t) for name, t in named if t.dtype in _FLOAT8]
+
+
+def hide_float8_from_ddp(module: nn.Module) -> None:
+    """Keep DDP's own start-up broadcast away from ``module``'s float8 tensors (no collective)."""
+    names = {name for name, _ in _float8_tensors(module)}
+    if names:
+        ignored = set(getattr(module, "_ddp_params_and_buffers_to_ignore", ())) | names
+        nn.parallel.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(module, sorted(ignored))
+
+
 def sum_cp_mean_dp_hook(dp_size, bucket):
     """All-reduce a gradient bucket over dp x cp and divide by dp: SUM over cp, MEAN over dp.
 
@@ -442,14 +474,14 @@ def lora_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
     from peft.utils import get_peft_model_state_dict
     from torch.distributed.tensor import DTensor
 
-    # Only the adapter's tensors are gathered (one at a time, every rank in the same order): consolidating the
-    # whole state would put the frozen base, all of it, on rank 0. Sharded LoRA tensors are DTensors, which
-    # save_lora_weights cannot write.
+    # only the trainable tensors are consolidated (sharded LoRA tensors are DTensors save_lora_weights cannot
+    # write): gathering the frozen base too would cost its full size on rank 0, and gloo cannot gather float8
+    sharded = is_sharded(module)
     state = {}
-    for name, tensor in module.state_dict().items():
-        if "lora_" in name:
-            state[name] = (tensor.full_tensor() if isinstance(tensor, DTensor) else tensor).detach().cpu()
-    if is_sharded(module) and dist.get_rank() != 0:
+    for name, p in module.named_parameters():
+        if p.requires_grad:
+            state[name] = (p.full_tensor() if isinstance(p, DTensor) else p).detach().cpu()
+    if sharded and dist.get_rank() != 0:
         return {}
     return get_peft_model_state_dict(module, state_dict=state)
 

@@ -204,8 +204,10 @@ class _ContextParallel:
         if not hasattr(self, "_own_state_sync"):
             self._own_state_sync = "init_sync" not in self._ddp_kwargs
         if self._own_state_sync:
-            data_parallel.sync_module_states(module)
+            data_parallel.sync_module_states(module)  # (float8 tensors too, as bytes)
             self._ddp_kwargs["init_sync"] = False
+        else:
+            data_parallel.prepare_ddp(module)  # an fp8 frozen base: gloo cannot broadcast float8
 
     def _checkpoint_meta(self) -> dict:
         meta = {"rng_states": self._gather_rng_states(), "cp": self.cp, "ring": self.ring, "fsdp": self.fsdp}

@@ -62,6 +62,8 @@ def parse_args(args=None) -> argparse.Namespace:
     p.add_argument("--max_grad_norm", type=float, default=1.0)
     p.add_argument("--mixed_precision", default="no", choices=["no", "bf16", "fp16"])
     p.add_argument("--gradient_checkpointing", action="store_true")
+    p.add_argument("--weights_dtype", default="float32", help="dtype the frozen weights load in, e.g. bfloat16")
+    p.add_argument("--base_dtype", default=None, help="float8_e4m3fn: the frozen base in fp8 (cp_lightning.fp8)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--cpu", action="store_true", help="train on CPU processes (gloo) even if GPUs are present")
     p.add_argument("--output_dir", default="outputs/accelerate_flux_lora")
@@ -95,6 +97,8 @@ def main(args=None) -> list[tuple[int, float]]:
         lora_rank=args.lora_rank,
         learning_rate=args.learning_rate,
         gradient_checkpointing=args.gradient_checkpointing,
+        weights_dtype=args.weights_dtype,
+        base_dtype=args.base_dtype,
         seed=args.seed,
     )
     with accelerator.main_process_first():  # rank 0 builds the tiny pipeline and the encoded cache once

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from lightning.pytorch.cli import LightningCLI
 
 from cp_lightning import loading, loss_shard
+from cp_lightning.fp8 import FP8_DTYPES, to_fp8_base
 from recipes import training
 from recipes.components import empty_transformer, load_transformer
 from recipes.console import quiet
@@ -21,14 +22,19 @@ from recipes.console import quiet
 quiet()
 
 
-def prepare_for_training(transformer, lora_rank: int, targets: list[str], seed: int, checkpointing: bool):
-    """Add a LoRA adapter (``lora_rank > 0``, base frozen) with a layout-independent init; trainable
-    weights in fp32; optional gradient checkpointing. ``transformer`` may be on the meta device
-    (cp_lightning.loading.empty_model): its LoRA is then initialised when its weights load."""
+def prepare_for_training(
+    transformer, lora_rank: int, targets: list[str], seed: int, checkpointing: bool, base_dtype: str | None = None
+):
+    """Add a LoRA adapter (``lora_rank > 0``, base frozen, optionally stored in float8: ``base_dtype``) with a
+    layout-independent init; trainable weights in fp32; optional gradient checkpointing. ``transformer`` may be
+    on the meta device (cp_lightning.loading.empty_model): its fp8 weights are then quantized and its LoRA
+    initialised when its weights load."""
     if lora_rank:
         from peft import LoraConfig
 
         transformer.requires_grad_(False)
+        if base_dtype is not None:  # the frozen linears to float8 before PEFT wraps them
+            transformer = to_fp8_base(transformer, dtype=getattr(torch, base_dtype))
         with torch.random.fork_rng():  # the same adapter init at every layout
             torch.manual_seed(seed)
             transformer.add_adapter(
@@ -92,6 +98,9 @@ class FlowMatchingFineTune(L.LightningModule):
         gradient_checkpointing: recompute each block in backward.
         weights_dtype: dtype the (frozen) weights load in, e.g. ``bfloat16`` for LoRA on large models;
             trainable parameters are kept in float32.
+        base_dtype: ``float8_e4m3fn`` (or ``float8_e5m2``) stores the frozen base's linear weights in float8 with
+            one power-of-two scale per output channel (half the bytes of bf16; cp_lightning.fp8), computed in
+            ``weights_dtype`` or the autocast dtype; LoRA only. None keeps them in ``weights_dtype``.
         seed: seeds LoRA initialisation and the per-sample noise.
     """
 
@@ -119,6 +128,7 @@ class FlowMatchingFineTune(L.LightningModule):
         ema_decay: float = 0.0,
         gradient_checkpointing: bool = False,
         weights_dtype: str = "float32",
+        base_dtype: str | None = None,
         seed: int = 0,
     ):
         super().__init__()
@@ -130,6 +140,17 @@ class FlowMatchingFineTune(L.LightningModule):
             raise ValueError(f"weights_dtype must name a torch dtype such as 'bfloat16', got {weights_dtype!r}.")
         if lora_rank < 0:
             raise ValueError(f"lora_rank must be >= 0 (0: full fine-tuning), got {lora_rank}.")
+        if base_dtype is not None:
+            if getattr(torch, str(base_dtype), None) not in FP8_DTYPES:
+                names = [str(d).removeprefix("torch.") for d in FP8_DTYPES]
+                raise ValueError(
+                    f"base_dtype must be one of {names} (a float8 frozen base) or unset, got {base_dtype!r}."
+                )
+            if not lora_rank:
+                raise ValueError(
+                    f"base_dtype={base_dtype!r} stores a frozen base in float8, but lora_rank=0 trains every weight "
+                    "(a full fine-tune has no frozen base). Set lora_rank > 0, or drop base_dtype."
+                )
         if ema_decay and not 0.0 < ema_decay < 1.0:
             raise ValueError(f"ema_decay must be in (0, 1) (e.g. 0.999), or 0 to disable EMA; got {ema_decay}.")
         self.save_hyperparameters()
@@ -154,7 +175,9 @@ class FlowMatchingFineTune(L.LightningModule):
                 self.family, h.pretrained, h.cache_dir, dtype=dtype, subfolder=self.transformer_subfolder
             )
         targets = list(h.lora_targets or self.lora_targets)
-        self.transformer = prepare_for_training(transformer, h.lora_rank, targets, h.seed, h.gradient_checkpointing)
+        self.transformer = prepare_for_training(
+            transformer, h.lora_rank, targets, h.seed, h.gradient_checkpointing, h.base_dtype
+        )
         if not getattr(strategy, "fsdp", False):
             loading.materialize(self.transformer, getattr(strategy, "root_device", None))
         if h.ema_decay and not loading.pending(self.transformer):  # (else in make_optimizer, once loaded)

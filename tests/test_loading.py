@@ -49,7 +49,29 @@ def numpy_state(model) -> dict:
 
 
 # -- worker side ----------------------------------------------------------------------------------
-def sharded_load(folder: str, family: str, *, cp: int, hsdp: bool, lora: bool, dtype=None) -> dict:
+def with_fp8(model):
+    from cp_lightning import to_fp8_base
+
+    model.requires_grad_(False)
+    return to_fp8_base(model)
+
+
+def gathered_state(model) -> dict:
+    """The consolidated state of a sharded model with float8 tensors (gathered as bytes: gloo has no float8)."""
+    from torch.distributed.tensor import DTensor
+
+    out = {}
+    for name, t in model.state_dict().items():
+        if isinstance(t, DTensor) and t.dtype == torch.float8_e4m3fn:
+            local = t.to_local().view(torch.uint8)
+            as_bytes = DTensor.from_local(local, t.device_mesh, t.placements, shape=t.shape, stride=t.stride())
+            out[name] = as_bytes.full_tensor().view(t.dtype)
+        else:
+            out[name] = t.full_tensor() if isinstance(t, DTensor) else t
+    return {k: v.detach().cpu() for k, v in out.items()}
+
+
+def sharded_load(folder: str, family: str, *, cp: int, hsdp: bool, lora: bool, dtype=None, fp8: bool = False) -> dict:
     """empty_model -> (LoRA) -> parallelize -> fully_shard -> materialize; rank 0 gets the consolidated state
     and every rank reports the bytes it holds."""
     import diffusers
@@ -58,6 +80,8 @@ def sharded_load(folder: str, family: str, *, cp: int, hsdp: bool, lora: bool, d
 
     cls = diffusers.WanTransformer3DModel if family == "wan" else diffusers.FluxTransformer2DModel
     model = loading.empty_model(cls, folder, dtype=dtype)
+    if fp8:  # the frozen linears become float8 on the meta device; the loader quantizes each rank's rows
+        with_fp8(model)
     if lora:
         with_lora(model)
     mesh = build_mesh(cp)
@@ -70,12 +94,13 @@ def sharded_load(folder: str, family: str, *, cp: int, hsdp: bool, lora: bool, d
     held_meta = any(p.is_meta for p in model.parameters())
     loading.materialize(model)
     local = sum(p.to_local().numel() for p in model.parameters())
-    state = data_parallel.full_state_dict(model)
+    state = gathered_state(model) if fp8 else data_parallel.full_state_dict(model)
     return {
         "meta_before": held_meta,
         "local_numel": local,
         "dtypes": sorted({str(p.dtype) for p in model.parameters()}),
         "state": {k: v.float().numpy() for k, v in state.items()} if dist.get_rank() == 0 else None,
+        "fp8": sum(p.dtype == torch.float8_e4m3fn for p in model.parameters()),
         "pending_after": bool(loading.pending(model)),
     }
 
@@ -173,6 +198,7 @@ def world_cases(rank: int, world: int, tmp: str) -> dict:
         "fsdp_lora": sharded_load(flux, "flux", cp=2, hsdp=False, lora=True),
         "fsdp_cp_world": sharded_load(flux, "flux", cp=world, hsdp=False, lora=True),
         "wan_bf16": sharded_load(wan, "wan", cp=2, hsdp=False, lora=False, dtype=torch.bfloat16),
+        "fsdp_fp8_lora": sharded_load(flux, "flux", cp=2, hsdp=False, lora=True, fp8=True),
     }
     if world == 4:
         out["hsdp_lora"] = sharded_load(flux, "flux", cp=2, hsdp=True, lora=True)
@@ -195,11 +221,13 @@ def results(request, folders):
     return request.param, spawn(world_cases, request.param, str(folders), timeout_s=900, env=env)
 
 
-def reference(folder: Path, family: str, *, lora: bool, dtype=None) -> dict:
+def reference(folder: Path, family: str, *, lora: bool, dtype=None, fp8: bool = False) -> dict:
     import diffusers
 
     cls = diffusers.WanTransformer3DModel if family == "wan" else diffusers.FluxTransformer2DModel
     model = cls.from_pretrained(folder, torch_dtype=dtype)
+    if fp8:
+        with_fp8(model)
     return numpy_state(with_lora(model) if lora else model), sorted({str(p.dtype) for p in model.parameters()})
 
 
@@ -218,13 +246,16 @@ def assert_same_state(got: dict, want: dict) -> None:
         ("fsdp_cp_world", "flux", True, None),
         ("wan_bf16", "wan", False, torch.bfloat16),
         ("hsdp_lora", "flux", True, None),
+        ("fsdp_fp8_lora", "flux", True, None),
     ],
 )
 def test_sharded_load_equals_from_pretrained(results, folders, case, family, lora, dtype):
+    """fsdp_fp8_lora: float8 weights and row scales quantized from each rank's rows equal converting the whole
+    loaded model (cp_lightning.to_fp8_base)."""
     world, ranks = results
     if case not in ranks[0]:
         pytest.skip(f"{case} runs at world 4")
-    want, dtypes = reference(folders / family, family, lora=lora, dtype=dtype)
+    want, dtypes = reference(folders / family, family, lora=lora, dtype=dtype, fp8="fp8" in case)
     assert all(r[case]["meta_before"] and not r[case]["pending_after"] for r in ranks)
     assert all(r[case]["dtypes"] == dtypes for r in ranks)  # bf16, with Wan's fp32-kept modules in fp32
     assert_same_state(ranks[0][case]["state"], want)
