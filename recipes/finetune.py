@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from lightning.pytorch.cli import LightningCLI
 
-from cp_lightning import loss_shard
+from cp_lightning import loss_shard, offload
 from recipes import training
 from recipes.components import load_transformer
 from recipes.console import quiet
@@ -76,6 +76,9 @@ class FlowMatchingFineTune(L.LightningModule):
         loss_weighting: ``none``, ``sigma_sqrt`` or ``cosmap`` (SD3 paper's weighting schemes).
         ema_decay: keep an EMA of the trainable parameters with this decay (e.g. 0.999); 0 disables.
         gradient_checkpointing: recompute each block in backward.
+        activation_offload: with ``gradient_checkpointing``, keep each block's inputs in CPU memory until backward
+            and recompute without repeating CP communication (``cp_lightning.offload``; set in configure_model,
+            so every strategy and the Accelerate recipe take the same path). Not with the strategy's ``compile``.
         weights_dtype: dtype the (frozen) weights load in, e.g. ``bfloat16`` for LoRA on large models;
             trainable parameters are kept in float32.
         seed: seeds LoRA initialisation and the per-sample noise.
@@ -104,6 +107,7 @@ class FlowMatchingFineTune(L.LightningModule):
         loss_weighting: str = "none",
         ema_decay: float = 0.0,
         gradient_checkpointing: bool = False,
+        activation_offload: bool = False,
         weights_dtype: str = "float32",
         seed: int = 0,
     ):
@@ -114,6 +118,12 @@ class FlowMatchingFineTune(L.LightningModule):
         training.check_schedule(lr_scheduler, warmup_steps, None)
         if not isinstance(getattr(torch, weights_dtype, None), torch.dtype):
             raise ValueError(f"weights_dtype must name a torch dtype such as 'bfloat16', got {weights_dtype!r}.")
+        offload.check_offload_option(activation_offload)
+        if activation_offload and not gradient_checkpointing:
+            raise ValueError(
+                "model.activation_offload offloads the inputs of checkpointed blocks: set "
+                "model.gradient_checkpointing: true as well, or drop activation_offload."
+            )
         if lora_rank < 0:
             raise ValueError(f"lora_rank must be >= 0 (0: full fine-tuning), got {lora_rank}.")
         if ema_decay and not 0.0 < ema_decay < 1.0:
@@ -133,6 +143,8 @@ class FlowMatchingFineTune(L.LightningModule):
         )
         targets = list(h.lora_targets or self.lora_targets)
         self.transformer = prepare_for_training(transformer, h.lora_rank, targets, h.seed, h.gradient_checkpointing)
+        if h.activation_offload:
+            offload.apply_activation_offload(self.transformer)
         if h.ema_decay:
             self.ema = training.TrainableEMA(self.trainable_parameters(), h.ema_decay)
 
