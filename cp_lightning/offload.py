@@ -47,6 +47,7 @@ __all__ = [
     "check_offload_option",
     "cp_checkpoint_policy",
     "offload_checkpoint",
+    "offloading",
 ]
 
 _functional = torch.ops._c10d_functional
