@@ -37,7 +37,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader
 
-from cp_lightning import data_parallel, faults, loading
+from cp_lightning import data_parallel, faults, loading, offload
 from cp_lightning.compilation import compile_options, compile_targets
 from cp_lightning.mesh import CP, DP, _local_world_size, build_mesh, validate_degrees
 
@@ -178,6 +178,10 @@ class ContextParallel:
             ``InitProcessGroupKwargs(timeout=...)``, else torch's default) is given to the mesh groups too;
             torch would give them 30 min (NCCL: 10 min) whatever the world's. Set here after the rendezvous,
             so ``InitProcessGroupKwargs`` may keep a longer start-up wait.
+        activation_offload: keep each checkpointed block's inputs in CPU memory until backward and recompute
+            blocks without repeating their CP communication (:mod:`cp_lightning.offload`), as for
+            :class:`cp_lightning.ContextParallelStrategy`. Enable gradient checkpointing before ``prepare``
+            (``model.enable_gradient_checkpointing()``); checked in ``prepare``. Not with ``compile=``.
     """
 
     def __init__(
@@ -199,6 +203,7 @@ class ContextParallel:
         fsdp_blocks: Sequence[str] | None = None,
         compile: bool | Mapping = False,
         timeout: timedelta | float | None = None,
+        activation_offload: bool = False,
     ) -> None:
         data_parallel.check_cp_options(cp, ring, plan, kernel, check_steps)
         self.timeout = faults.check_timeout(timeout) if timeout is not None else None
@@ -206,6 +211,7 @@ class ContextParallel:
             fsdp, reshard_after_forward=reshard_after_forward, cpu_offload=cpu_offload, hsdp=hsdp, blocks=fsdp_blocks
         )
         self.compile = compile_options(compile)  # None when off
+        self.activation_offload = offload.check_offload_option(activation_offload, compile=self.compile)
         _check_accelerator(accelerator, cp, ring, allow_cross_node)
         _check_dynamo_plugin(accelerator, self.compile)
         if self.fsdp_options is not None:
@@ -258,6 +264,7 @@ class ContextParallel:
                 _check_model(self.accelerator, obj, self.plan)
                 for module in loading.pending(obj):  # a meta-built model's folder, from its headers
                     loading.check_pretrained(module)
+                offload.check_activation_offload(obj, self.plan, enabled=self.activation_offload, compile=self.compile)
                 if self.fsdp_options is not None and self.mesh is not None:
                     data_parallel.check_fsdp_model(obj, self.plan, self.fsdp_options)
             elif isinstance(obj, DataLoader) and getattr(obj, "_is_accelerate_prepared", False):
@@ -296,6 +303,8 @@ class ContextParallel:
         if self.fsdp_options is None or self.mesh is None:
             loading.materialize(model, self.accelerator.device)  # meta-built weights, one tensor at a time
         if self.mesh is None:
+            if self.activation_offload:
+                offload.apply_activation_offload(model, self.plan)
             compile_targets(model, self.plan, self.compile)
             return self.accelerator.prepare_model(model)
         if self.fsdp_options is not None:
@@ -309,6 +318,8 @@ class ContextParallel:
             loss_parallel=self.loss_parallel,
             check_steps=self.check_steps,
         )
+        if self.activation_offload:  # after parallelize, before compile and DDP
+            offload.apply_activation_offload(model, self.plan)
         compile_targets(model, self.plan, self.compile)  # after parallelize, before DDP
         data_parallel.prepare_ddp(model)  # an fp8 frozen base: gloo cannot broadcast float8
         wrapped = self.accelerator.prepare_model(model)  # device placement, autocast, DDP over dp x cp
@@ -331,6 +342,8 @@ class ContextParallel:
             loss_parallel=self.loss_parallel,
             check_steps=self.check_steps,
         )
+        if self.activation_offload:  # after parallelize, before compile and fully_shard
+            offload.apply_activation_offload(model, self.plan)
         compile_targets(model, self.plan, self.compile)  # after parallelize, before fully_shard
         loading.move_unpending(model, acc.device)  # meta-built weights are allocated after sharding
         data_parallel.apply_fsdp(

@@ -34,11 +34,27 @@ def count_bytes() -> Iterator[Counter]:
         _COUNTERS.remove(counter)
 
 
+_PAUSED: list[bool] = []
+
+
+@contextmanager
+def uncounted() -> Iterator[None]:
+    """Record nothing while active: code re-run around collectives that do not communicate (a selective
+    recompute answers them from its cache, see cp_lightning.offload)."""
+    _PAUSED.append(True)
+    try:
+        yield
+    finally:
+        _PAUSED.pop()
+
+
 def record_sent(kind: str, nbytes: int) -> None:
     if torch.compiler.is_compiling():
         # Nothing of the counters enters a compiled graph (dynamo would guard on them and recompile
         # when counting starts or stops). The ring's bytes are still counted: they are recorded by its
         # custom ops, which run eagerly inside compiled code; collectives traced into the graph are not.
+        return
+    if _PAUSED:
         return
     for counter in _COUNTERS:
         counter[kind] += nbytes
@@ -178,8 +194,9 @@ def all_gather_no_grad(
         x = torch.cat([x, x.new_zeros(pad)], dim=dim)
     x = x.contiguous()
     record_sent("all_gather", x.numel() * x.element_size() * (world - 1))
-    parts = [torch.empty_like(x) for _ in range(world)]
-    dist.all_gather(parts, x, group=group)
+    # functional, as in _all_to_all: a result selective checkpointing can keep (dim 0 holds the ranks' x in order)
+    out = torch.ops._c10d_functional.all_gather_into_tensor(x, world, group.group_name)
+    parts = torch.ops._c10d_functional.wait_tensor(out).chunk(world)
     if lengths is not None:
         parts = [part.narrow(dim, 0, length) for part, length in zip(parts, lengths, strict=True)]
     return torch.cat(parts, dim=dim)
@@ -209,14 +226,16 @@ def _all_to_all(x: torch.Tensor, group: dist.ProcessGroup, send: list[int] | Non
     x = x.contiguous()
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     if send is None:
-        out = torch.empty_like(x)
         record_sent("all_to_all", x.numel() * x.element_size() * (world - 1) // world)
     else:
         row = x[0].numel() * x.element_size() if x.dim() > 1 else x.element_size()
-        out = x.new_empty((sum(recv), *x.shape[1:]))
         record_sent("all_to_all", (sum(send) - send[rank]) * row)
-    dist.all_to_all_single(out, x, output_split_sizes=recv, input_split_sizes=send, group=group)
-    return out
+    # The functional op (what torch.compile traces dist.all_to_all_single into) returns its result rather than
+    # filling `out` in place, so selective checkpointing can keep it and a recompute communicates nothing
+    # (cp_lightning.offload); the in-place c10d op it replaces returns only a Work handle.
+    split = [x.shape[0] // world] * world if send is None else send
+    out = torch.ops._c10d_functional.all_to_all_single(x, recv or split, split, group.group_name)
+    return torch.ops._c10d_functional.wait_tensor(out)
 
 
 def all_to_all(

@@ -35,7 +35,7 @@ from lightning.pytorch.strategies.launchers.subprocess_script import _Subprocess
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from cp_lightning import data_parallel, faults, loading, sharded_checkpoint
+from cp_lightning import data_parallel, faults, loading, offload, sharded_checkpoint
 from cp_lightning.checkpoint_io import AtomicCheckpointIO, repair_epoch_progress
 from cp_lightning.compilation import compile_options, compile_targets
 from cp_lightning.mesh import CP, DP, build_mesh
@@ -72,8 +72,9 @@ class _ContextParallel:
         """Collective. Every group of the mesh: torch gives new groups 30 min, whatever the world's timeout."""
         faults.set_collective_timeout(self._collective_timeout or self._timeout, self.device_mesh, self.ring)
 
-    def _init_compile(self, compile) -> None:
+    def _init_compile(self, compile, activation_offload=False) -> None:
         self.compile = compile_options(compile)  # None when off; checked before any process starts
+        self.activation_offload = offload.check_offload_option(activation_offload, compile=self.compile)
 
     def _compile(self, root: nn.Module) -> None:
         """After parallelize (and the user's checkpointing in configure_model), before DDP/FSDP wrapping."""
@@ -167,6 +168,8 @@ class _ContextParallel:
 
     # -- model ----------------------------------------------------------------------------------
     def _parallelize(self, root: nn.Module) -> None:
+        # before parallelize communicates
+        offload.check_activation_offload(root, self.plan, enabled=self.activation_offload, compile=self.compile)
         data_parallel.parallelize_targets(
             root,
             mesh=self.device_mesh,
@@ -176,6 +179,8 @@ class _ContextParallel:
             loss_parallel=self.loss_parallel,
             check_steps=self.check_steps,
         )
+        if self.activation_offload:  # after parallelize, before compile and DDP/FSDP wrapping
+            offload.apply_activation_offload(root, self.plan)
 
     def _shard(self, root: nn.Module) -> None:
         options = self.fsdp_options
@@ -260,6 +265,10 @@ class ContextParallelStrategy(_ContextParallel, DDPStrategy):
         nonfinite: a non-finite loss or local gradient ``"raise"``s :class:`~cp_lightning.faults.NonFiniteError`
             (naming the step and the ranks, before any weight changes), ``"skip"``s the step (counted in
             ``skipped_steps``, logged) or is ``"ignore"``d (no check). See docs/operations.md.
+        activation_offload: keep each checkpointed block's inputs in CPU memory until backward (pinned, copied
+            asynchronously on CUDA) and recompute blocks without repeating their CP communication: the outputs
+            of the all-to-alls and of ring attention are kept (:mod:`cp_lightning.offload`). Needs gradient
+            checkpointing (``model.enable_gradient_checkpointing()`` in ``configure_model``); checked at setup.
         **kwargs: passed to Lightning's ``DDPStrategy`` (``start_method``, ``checkpoint_io``, DDP arguments).
             Checkpoints are written atomically (:class:`~cp_lightning.checkpoint_io.AtomicCheckpointIO`)
             unless another ``checkpoint_io`` is given.
@@ -285,11 +294,12 @@ class ContextParallelStrategy(_ContextParallel, DDPStrategy):
         compile: bool | Mapping = False,
         timeout: timedelta | float | None = None,
         nonfinite: str = "raise",
+        activation_offload: bool = False,
         **kwargs: Any,
     ) -> None:
         self._init_cp(cp, ring, plan, loss_parallel, kernel, allow_cross_node, check_steps)
         self._init_fsdp(fsdp, reshard_after_forward, cpu_offload, hsdp, fsdp_blocks)
-        self._init_compile(compile)
+        self._init_compile(compile, activation_offload)
         self.nonfinite = faults.NonFiniteCheck(nonfinite)
         self._init_timeout(timeout, kwargs)
         kwargs.setdefault("checkpoint_io", AtomicCheckpointIO())
@@ -469,6 +479,7 @@ class FabricContextParallelStrategy(_ContextParallel, FabricDDPStrategy):
     ``nonfinite`` too: losses are checked in ``fabric.backward``, local gradients (DDP) in the communication
     hook, and all ranks agree in ``optimizer.step()``, which raises on every rank or skips the step (counted
     in ``skipped_steps``); the step named is the number of optimizer steps before it.
+    ``activation_offload`` too, checked and applied in ``fabric.setup(model)`` (checkpointing enabled before).
     """
 
     def __init__(
@@ -489,11 +500,12 @@ class FabricContextParallelStrategy(_ContextParallel, FabricDDPStrategy):
         compile: bool | Mapping = False,
         timeout: timedelta | float | None = None,
         nonfinite: str = "raise",
+        activation_offload: bool = False,
         **kwargs: Any,
     ) -> None:
         self._init_cp(cp, ring, plan, loss_parallel, kernel, allow_cross_node, check_steps)
         self._init_fsdp(fsdp, reshard_after_forward, cpu_offload, hsdp, fsdp_blocks)
-        self._init_compile(compile)
+        self._init_compile(compile, activation_offload)
         self._init_timeout(timeout, kwargs)
         self.nonfinite = faults.NonFiniteCheck(nonfinite, owner="FabricContextParallelStrategy")
         self._optimizer_steps = 0  # Fabric keeps no step count: the one named in a non-finite step's error

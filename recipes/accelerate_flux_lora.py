@@ -64,10 +64,18 @@ def parse_args(args=None) -> argparse.Namespace:
     p.add_argument("--gradient_checkpointing", action="store_true")
     p.add_argument("--weights_dtype", default="float32", help="dtype the frozen weights load in, e.g. bfloat16")
     p.add_argument("--base_dtype", default=None, help="float8_e4m3fn: the frozen base in fp8 (cp_lightning.fp8)")
+    p.add_argument(
+        "--activation_offload",
+        action="store_true",
+        help="with --gradient_checkpointing: checkpointed blocks' inputs in CPU memory until backward",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--cpu", action="store_true", help="train on CPU processes (gloo) even if GPUs are present")
     p.add_argument("--output_dir", default="outputs/accelerate_flux_lora")
-    return p.parse_args(args)
+    parsed = p.parse_args(args)
+    if parsed.activation_offload and not parsed.gradient_checkpointing:  # before anything communicates
+        p.error("--activation_offload offloads the inputs of checkpointed blocks: add --gradient_checkpointing.")
+    return parsed
 
 
 def main(args=None) -> list[tuple[int, float]]:
@@ -99,6 +107,7 @@ def main(args=None) -> list[tuple[int, float]]:
         gradient_checkpointing=args.gradient_checkpointing,
         weights_dtype=args.weights_dtype,
         base_dtype=args.base_dtype,
+        activation_offload=args.activation_offload,
         seed=args.seed,
     )
     with accelerator.main_process_first():  # rank 0 builds the tiny pipeline and the encoded cache once

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from lightning.pytorch.cli import LightningCLI
 
-from cp_lightning import loading, loss_shard
+from cp_lightning import loading, loss_shard, offload
 from cp_lightning.fp8 import FP8_DTYPES, to_fp8_base
 from recipes import training
 from recipes.components import empty_transformer, load_transformer
@@ -96,6 +96,9 @@ class FlowMatchingFineTune(L.LightningModule):
         loss_weighting: ``none``, ``sigma_sqrt`` or ``cosmap`` (SD3 paper's weighting schemes).
         ema_decay: keep an EMA of the trainable parameters with this decay (e.g. 0.999); 0 disables.
         gradient_checkpointing: recompute each block in backward.
+        activation_offload: with ``gradient_checkpointing``, keep each block's inputs in CPU memory until backward
+            and recompute without repeating CP communication (``cp_lightning.offload``; set in configure_model,
+            so every strategy and the Accelerate recipe take the same path). Not with the strategy's ``compile``.
         weights_dtype: dtype the (frozen) weights load in, e.g. ``bfloat16`` for LoRA on large models;
             trainable parameters are kept in float32.
         base_dtype: ``float8_e4m3fn`` (or ``float8_e5m2``) stores the frozen base's linear weights in float8 with
@@ -127,6 +130,7 @@ class FlowMatchingFineTune(L.LightningModule):
         loss_weighting: str = "none",
         ema_decay: float = 0.0,
         gradient_checkpointing: bool = False,
+        activation_offload: bool = False,
         weights_dtype: str = "float32",
         base_dtype: str | None = None,
         seed: int = 0,
@@ -138,6 +142,12 @@ class FlowMatchingFineTune(L.LightningModule):
         training.check_schedule(lr_scheduler, warmup_steps, None)
         if not isinstance(getattr(torch, weights_dtype, None), torch.dtype):
             raise ValueError(f"weights_dtype must name a torch dtype such as 'bfloat16', got {weights_dtype!r}.")
+        offload.check_offload_option(activation_offload)
+        if activation_offload and not gradient_checkpointing:
+            raise ValueError(
+                "model.activation_offload offloads the inputs of checkpointed blocks: set "
+                "model.gradient_checkpointing: true as well, or drop activation_offload."
+            )
         if lora_rank < 0:
             raise ValueError(f"lora_rank must be >= 0 (0: full fine-tuning), got {lora_rank}.")
         if base_dtype is not None:
@@ -178,6 +188,8 @@ class FlowMatchingFineTune(L.LightningModule):
         self.transformer = prepare_for_training(
             transformer, h.lora_rank, targets, h.seed, h.gradient_checkpointing, h.base_dtype
         )
+        if h.activation_offload:
+            offload.apply_activation_offload(self.transformer)
         if not getattr(strategy, "fsdp", False):
             loading.materialize(self.transformer, getattr(strategy, "root_device", None))
         if h.ema_decay and not loading.pending(self.transformer):  # (else in make_optimizer, once loaded)
