@@ -8,8 +8,11 @@ Lightning's script launcher and torchrun start ranks) are the other ranks. A ran
 
 from __future__ import annotations
 
+import os
 import re
+import subprocess
 import threading
+import time
 from pathlib import Path
 
 _RSS_ANON = re.compile(r"RssAnon:\s+(\d+) kB")
@@ -88,3 +91,20 @@ class RssPoller:
     def __exit__(self, *exc) -> None:
         self._stop.set()
         self._thread.join()
+
+
+def run_polled(cmd: list[str], *, env: dict, cwd: Path, log: Path, timeout: float, interval: float = 0.02) -> dict:
+    """Run ``cmd`` (rank 0, in a session of its own) with its output in ``log`` while polling every rank's RssAnon;
+    returns ``{"peaks": {rank: bytes}, "code": exit status or "timeout", "wall": seconds}``."""
+    log.parent.mkdir(parents=True, exist_ok=True)
+    start = time.perf_counter()
+    with log.open("w") as f:
+        proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+        with RssPoller(proc.pid, interval=interval) as poller:
+            try:
+                code = proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, 9)  # the run's own session: rank 0 and the ranks it started
+                proc.wait()
+                code = "timeout"
+    return {"peaks": poller.peaks, "code": code, "wall": time.perf_counter() - start}

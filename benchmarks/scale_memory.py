@@ -30,7 +30,6 @@ import json
 import math
 import os
 import shutil
-import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
@@ -41,7 +40,7 @@ import lightning as L
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks import common  # noqa: E402
-from benchmarks.rss import RssPoller, mem_info  # noqa: E402
+from benchmarks.rss import mem_info, run_polled  # noqa: E402
 
 ROOT = common.ROOT
 CP = 2
@@ -218,25 +217,6 @@ def recipe_command(
     ]
 
 
-def run_recipe(cmd: list[str], *, log: Path, timeout: float, interval: float) -> dict:
-    """Run ``cmd`` (rank 0; its children are the other ranks) while polling every rank's RssAnon."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
-    env["MALLOC_MMAP_THRESHOLD_"] = common.MMAP_THRESHOLD  # read by glibc at process start
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-    log.parent.mkdir(parents=True, exist_ok=True)
-    start = time.perf_counter()
-    with log.open("w") as f:
-        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
-        with RssPoller(proc.pid, interval=interval) as poller:
-            try:
-                code = proc.wait(timeout=timeout)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, 9)  # this run's own session: rank 0 and the ranks it started
-                proc.wait()
-                code = "timeout"
-    return {"peaks": poller.peaks, "code": code, "wall": time.perf_counter() - start}
-
-
 def measure(name: str, mode: Mode, *, world: int, pretrained: str, args) -> dict:
     run = args.out / "runs" / f"world{world}_{name}"
     shutil.rmtree(run, ignore_errors=True)
@@ -245,7 +225,10 @@ def measure(name: str, mode: Mode, *, world: int, pretrained: str, args) -> dict
         mode, world=world, pretrained=pretrained, run=run, cache=args.cache, held=held, lora_rank=args.lora_rank
     )
     print(f"world {world}: {name} ({mode.label}) ...", file=sys.stderr, flush=True)
-    result = run_recipe(cmd, log=run / "log.txt", timeout=args.timeout, interval=args.interval)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+    env["MALLOC_MMAP_THRESHOLD_"] = common.MMAP_THRESHOLD  # read by glibc at process start
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    result = run_polled(cmd, env=env, cwd=ROOT, log=run / "log.txt", timeout=args.timeout, interval=args.interval)
     result["held"] = {}
     for path in held.glob("rank*.json"):
         data = json.loads(path.read_text())

@@ -159,22 +159,21 @@ if child is not None:
 """
 
 
-def _allocate_peaks(*mib: int) -> dict:
+def _allocate_peaks(tmp_path, *mib: int) -> dict:
     import os
-    import subprocess
     import sys
 
-    from benchmarks.rss import RssPoller
+    from benchmarks.rss import run_polled
 
     env = {**os.environ, "ALLOCATE": ALLOCATE}
-    proc = subprocess.Popen([sys.executable, "-c", ALLOCATE, *map(str, mib)], env=env)
-    with RssPoller(proc.pid, interval=0.02) as poller:
-        assert proc.wait(timeout=60) == 0
-    return poller.peaks
+    cmd = [sys.executable, "-c", ALLOCATE, *map(str, mib)]
+    result = run_polled(cmd, env=env, cwd=tmp_path, log=tmp_path / "log.txt", timeout=60)
+    assert result["code"] == 0, (tmp_path / "log.txt").read_text()
+    return result["peaks"]
 
 
-def test_rss_poller_reads_each_ranks_anonymous_memory():
-    base, peaks = _allocate_peaks(0, 0), _allocate_peaks(96, 48)
+def test_rss_poller_reads_each_ranks_anonymous_memory(tmp_path):
+    base, peaks = _allocate_peaks(tmp_path, 0, 0), _allocate_peaks(tmp_path, 96, 48)
     assert set(base) == set(peaks) == {0, 1}, (base, peaks)
     for rank, mib in ((0, 96), (1, 48)):
         above = (peaks[rank] - base[rank]) / 2**20
