@@ -142,3 +142,65 @@ def test_compile_speed_benchmark_times_both_in_one_run(capsys):
     assert [(r["mode"], r["cp"], r["ring"]) for r in rows] == [("ring", 2, 2)]
     assert rows[0]["eager_time"] > 0 and rows[0]["compiled_time"] > 0 and rows[0]["compile"] > 0
     assert "| ring | 2 | 2 |" in capsys.readouterr().out
+
+
+ALLOCATE = """
+import os, subprocess, sys, time
+mib = [int(a) for a in sys.argv[1:]]
+child = None
+if len(mib) > 1:  # rank 0 starts rank 1 as its child, as Lightning's script launcher does
+    env = {**os.environ, "LOCAL_RANK": "1"}
+    child = subprocess.Popen([sys.executable, "-c", os.environ["ALLOCATE"], str(mib[1])], env=env)
+block = b"x" * (mib[0] * 2**20)  # written, so every page is resident
+time.sleep(0.6)
+del block
+if child is not None:
+    child.wait()
+"""
+
+
+def _allocate_peaks(tmp_path, *mib: int) -> dict:
+    import os
+    import sys
+
+    from benchmarks.rss import run_polled
+
+    env = {**os.environ, "ALLOCATE": ALLOCATE}
+    cmd = [sys.executable, "-c", ALLOCATE, *map(str, mib)]
+    result = run_polled(cmd, env=env, cwd=tmp_path, log=tmp_path / "log.txt", timeout=60)
+    assert result["code"] == 0, (tmp_path / "log.txt").read_text()
+    return result["peaks"]
+
+
+def test_rss_poller_reads_each_ranks_anonymous_memory(tmp_path):
+    base, peaks = _allocate_peaks(tmp_path, 0, 0), _allocate_peaks(tmp_path, 96, 48)
+    assert set(base) == set(peaks) == {0, 1}, (base, peaks)
+    for rank, mib in ((0, 96), (1, 48)):
+        above = (peaks[rank] - base[rank]) / 2**20
+        assert abs(above - mib) <= 0.1 * mib, (rank, above, base, peaks)
+
+
+def test_scale_memory_benchmark_measures_a_tiny_run(capsys, tmp_path):
+    from benchmarks import scale_memory
+
+    argv = ["--worlds", "2", "--modes", "ddp", "--params", "4", "--hidden", "128", "--out", str(tmp_path)]
+    out = scale_memory.main(argv)
+    (row,) = out["rows"]
+    assert row["status"] == "ok" and row["world"] == 2 and len(row["above"]) == 2, row
+    # every DDP rank holds the whole fp32 model (16 MiB here) on top of what the tiny run holds
+    assert all(0.9 <= r <= 4.0 for r in row["ratio"]), row
+    # every rank holds the whole frozen base in fp32 under DDP: twice its bf16 bytes
+    assert all(abs(v - 2.0) < 1e-3 for v in row["frozen_vs_bf16"]), row
+    assert not (tmp_path / "model_fp32").exists()  # removed without --keep
+    table = capsys.readouterr().out
+    line = next(x for x in table.splitlines() if x.startswith("| ddp |"))
+    assert line.startswith("| ddp | DDP LoRA, fp32 | fp32 |") and line.count("|") == 10, line
+
+
+def test_scale_memory_marks_options_this_checkout_lacks():
+    from benchmarks import scale_memory
+
+    fp8 = scale_memory.MODES["ddp-fp8"]
+    assert scale_memory.available(fp8, {"weights_dtype", "base_dtype"})
+    assert not scale_memory.available(fp8, {"weights_dtype"})
+    assert scale_memory.available(scale_memory.MODES["ddp"], set())
