@@ -4,8 +4,9 @@ A bucket is (frames, height, width). Resolutions come from a pixel budget and a 
 (each side a multiple of what the model needs), frame counts from a list. A sample goes to the bucket
 nearest its aspect ratio among those whose frame count it can fill (the longest such). Buckets too
 small for one batch are merged into their nearest neighbour, or dropped, with a warning either way.
-:func:`plan_samples` places every image and clip; :func:`bucket_table` reports the result (and
-:func:`add_memory_estimate` a rough per-GPU peak for the dry run).
+:func:`plan_samples` places every image and clip; :func:`bucket_table` reports the result (the dry run's
+per-GPU estimate comes from the layout planner, recipes/planning.py; :func:`memory_estimate_gib` is the rough
+formula the presets' comments quote).
 
 :class:`BucketBatchSampler` gives every batch one bucket. It is sized by data-parallel ranks only: CP
 peers (same dp rank) get the same batches, dp ranks different ones; which batches a rank gets depends
@@ -20,8 +21,6 @@ import random
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-
-import torch
 
 from recipes.media import clip_starts, probe
 
@@ -265,41 +264,3 @@ def plan_samples(
                 }
             )
     return samples
-
-
-def add_memory_estimate(
-    rows: list[dict],
-    build,
-    config: dict,
-    *,
-    batch_size: int,
-    lora_rank: int,
-    lora_targets: list[str],
-    weights_dtype: str,
-    checkpointing: bool,
-) -> None:
-    """Adds ``est_gib_per_gpu`` to each row: the transformer built by ``build(config)`` on the meta device."""
-    from accelerate import init_empty_weights
-
-    with init_empty_weights():
-        model = build(config)
-    params = sum(p.numel() for p in model.parameters())
-    trainable = params
-    if lora_rank:
-        trainable = sum(
-            lora_rank * (m.in_features + m.out_features)
-            for name, m in model.named_modules()
-            if isinstance(m, torch.nn.Linear) and any(name.endswith(t) for t in lora_targets)
-        )
-    for row in rows:
-        gib = memory_estimate_gib(
-            params=params,
-            trainable=trainable,
-            weight_bytes=torch.empty((), dtype=getattr(torch, weights_dtype)).element_size(),
-            hidden=config["num_attention_heads"] * config["attention_head_dim"],
-            layers=config["num_layers"] + config.get("num_single_layers", 0),
-            tokens=row["tokens_per_cp_rank"],
-            batch=batch_size,
-            checkpointing=checkpointing,
-        )
-        row["est_gib_per_gpu"] = float(f"{gib:.4g}")  # tiny models need the digits

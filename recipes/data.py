@@ -23,7 +23,6 @@ from torch.utils.data import DataLoader
 from recipes.buckets import (
     DEFAULT_ASPECT_RATIOS,
     BucketBatchSampler,
-    add_memory_estimate,
     bucket_table,
     format_table,
     make_buckets,
@@ -333,24 +332,26 @@ class EncodedData(L.LightningDataModule):
         return ResumableLoader(self.dataset, batch_sampler=sampler, trainer=trainer)
 
     def _add_memory_estimate(self) -> None:
-        """Adds ``est_gib_per_gpu`` to the table: the transformer's weights, trainable state, activations."""
-        import diffusers
-
-        from recipes.components import FAMILIES
+        """Adds the layout planner's ``est_gib_per_gpu`` for the Trainer's layout to the table."""
+        from recipes.planning import add_estimates, model_spec
 
         module = self.trainer.lightning_module if self.trainer is not None else None
         hparams = dict(module.hparams) if module is not None else {}
-        transformer = getattr(diffusers, FAMILIES[self.family][1])
-        config = transformer.load_config(self._pipeline_path(), subfolder="transformer")
-        add_memory_estimate(
+        strategy = self.trainer.strategy if self.trainer is not None else None
+        add_estimates(
             self.table,
-            transformer.from_config,
-            config,
-            batch_size=self.hparams.batch_size,
-            lora_rank=hparams.get("lora_rank", 0),
-            lora_targets=getattr(module, "lora_targets", []),
-            weights_dtype=hparams.get("weights_dtype", "float32"),
+            model_spec(self.hparams.pretrained, self._pipeline_path()),
+            self.tokens,
+            world=self.trainer.world_size if self.trainer is not None else 1,
+            cp=getattr(strategy, "cp", 1),
+            ring=getattr(strategy, "ring", 1),
+            fsdp=bool(getattr(strategy, "fsdp", False)),
+            hsdp=bool(getattr(getattr(strategy, "fsdp_options", None), "hsdp", False)),
             checkpointing=bool(hparams.get("gradient_checkpointing", False)),
+            lora_rank=int(hparams.get("lora_rank", 0)),
+            weights_dtype=hparams.get("weights_dtype", "float32"),
+            ema=bool(hparams.get("ema_decay", 0.0)),
+            batch_size=self.hparams.batch_size,
         )
 
 

@@ -254,6 +254,16 @@ class RecipeCLI(LightningCLI):
             parser.add_lightning_class_args(callback, key)
             parser.link_arguments("out_dir", f"{key}.out_dir")
 
+    def before_instantiate_classes(self) -> None:
+        # the dry run plans on the CPU from the YAML alone: no Trainer (whose CUDA accelerator a CPU machine
+        # refuses), no processes (recipes/planning.py)
+        config = self.config[self.subcommand] if self.subcommand else self.config
+        if config["data"].get("dry_run"):
+            from recipes.planning import dry_run
+
+            dry_run(config, self.model_class, self.datamodule_class)
+            raise SystemExit(0)
+
     def before_fit(self) -> None:
         from recipes import lora
 

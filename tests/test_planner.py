@@ -239,3 +239,27 @@ def test_config_scans_data_dir(tmp_path):
     assert "1 buckets from" in report
     assert result["tokens"] == [4096]  # 1024 x 1024 px: 64 x 64 latent tokens after 2x2 patches
     assert result["layout"]["cp"] == 4
+
+
+def test_recipe_dry_run_plans_on_cpu_without_processes(tmp_path):
+    """`--data.dry_run=true` on the 8-GPU CUDA preset: no Trainer, no processes; the estimate is the planner's."""
+    import csv
+
+    from recipes.planning import add_estimates
+
+    run_dir = tmp_path / "run"
+    preset = ROOT / "configs/wan2.1_t2v_14b_lora_fsdp_cp8.yaml"
+    cmd = [sys.executable, "-m", "recipes.wan", "fit", "--config", str(preset),
+           "--data.dry_run=true", f"--data.data_dir={tmp_path / 'videos'}", "--data.synthetic_samples=2",
+           "--data.num_frames=9", "--data.resolution=256", "--data.width=256", f"--data.cache_dir={tmp_path / 'cache'}",
+           f"--trainer.default_root_dir={run_dir}"]  # fmt: skip
+    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, check=False)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "CUDAAccelerator" not in out.stderr and "est_gib_per_gpu" in out.stdout
+    with (run_dir / "buckets.csv").open() as f:
+        (row,) = list(csv.DictReader(f))
+    assert row["tokens_per_sample"] == "768" and row["tokens_per_cp_rank"] == "96"  # 3 x 16 x 16 over cp=8
+    expected = [{"frames": 9, "height": 256, "width": 256}]
+    add_estimates(expected, resolve_model("wan2.1-t2v-14b"), lambda b: (768, 0), world=8, cp=8, fsdp=True,
+                  checkpointing=True, lora_rank=32, weights_dtype="bfloat16")  # fmt: skip
+    assert float(row["est_gib_per_gpu"]) == pytest.approx(expected[0]["est_gib_per_gpu"], rel=1e-3)
