@@ -136,6 +136,19 @@ class FlowMatchingFineTune(L.LightningModule):
         if h.ema_decay:
             self.ema = training.TrainableEMA(self.trainable_parameters(), h.ema_decay)
 
+    def planner_model(self):
+        """The full-size model for the layout planner (``cp: auto``): a built-in config for a known hub id,
+        else the pipeline's ``transformer/config.json``."""
+        from cp_lightning.planner.recipe import HUB
+        from recipes.components import resolve_pretrained
+        from recipes.planning import model_spec
+
+        h = self.hparams
+        if h.pretrained.lower() in HUB:
+            return model_spec(h.pretrained)
+        path = resolve_pretrained(self.family, h.pretrained, h.cache_dir)
+        return model_spec(h.pretrained, path, subfolder=self.transformer_subfolder)
+
     def trainable_parameters(self) -> list[tuple[str, torch.nn.Parameter]]:
         return [(name, p) for name, p in self.named_parameters() if p.requires_grad]
 

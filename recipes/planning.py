@@ -14,11 +14,11 @@ from cp_lightning.planner import Hardware, Layout, Training, estimate, resolve_m
 from cp_lightning.planner.recipe import GEOMETRY, GEOMETRY_TI2V, HUB
 
 
-def model_spec(pretrained: str, pipeline_path: str | None = None):
+def model_spec(pretrained: str, pipeline_path: str | None = None, subfolder: str = "transformer"):
     """The planner's model: a built-in config for a known hub id, else the pipeline's transformer config."""
     if pretrained.lower() in HUB:
         return resolve_model(HUB[pretrained.lower()])
-    path = Path(pipeline_path or pretrained) / "transformer" / "config.json"
+    path = Path(pipeline_path or pretrained) / subfolder / "config.json"
     return resolve_model(str(path))
 
 

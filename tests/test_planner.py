@@ -263,3 +263,42 @@ def test_recipe_dry_run_plans_on_cpu_without_processes(tmp_path):
     add_estimates(expected, resolve_model("wan2.1-t2v-14b"), lambda b: (768, 0), world=8, cp=8, fsdp=True,
                   checkpointing=True, lora_rank=32, weights_dtype="bfloat16")  # fmt: skip
     assert float(row["est_gib_per_gpu"]) == pytest.approx(expected[0]["est_gib_per_gpu"], rel=1e-3)
+
+
+@pytest.mark.slow
+def test_cp_auto_picks_the_smallest_cp_that_fits_and_trains_like_it_by_hand(tmp_path):
+    """cp='auto' at world 2 with a budget between the cp=1 and cp=2 predictions picks cp=2 and trains the same
+    losses as cp=2 given by hand; a budget below both is a clear error."""
+    import csv
+    import os
+
+    from tests.test_recipes import losses, run_recipe
+
+    steps = ["--trainer.max_steps=3", "--samples.every_n_steps=0"]
+    hand = run_recipe(tmp_path, "hand", *steps, cache=tmp_path)
+    with (hand / "buckets.csv").open() as f:
+        tokens = [int(r["tokens_per_sample"]) - 32 for r in csv.DictReader(f)]  # minus the 32 text tokens
+    spec = resolve_model(str(tmp_path / "cache/tiny_flux_pipeline/transformer/config.json"))
+    hw, lora = Hardware(gpus=2, gpu_memory_gib=1e3), Training(lora_rank=16)
+    # the tiny recipe's frozen base stays in fp32 (weights_dtype's default)
+    layouts = [Layout(2 // cp, cp, base_dtype="float32", batch=4) for cp in (1, 2)]
+    one, two = (estimate(spec, lay, hw, lora, max(tokens), 32).total for lay in layouts)
+    assert two < one
+    budget = (one + two) / 2 / GIB
+
+    def auto(memory: float) -> subprocess.CompletedProcess:
+        out = tmp_path / "auto"
+        text = (ROOT / "configs/tiny_flux_cp2.yaml").read_text().replace("outputs/tiny_flux_cp2", str(out))
+        config = tmp_path / "auto.yaml"
+        config.write_text(text.replace("outputs/", f"{tmp_path}/"))
+        cmd = [sys.executable, "-m", "recipes.flux", "fit", "--config", str(config), *steps,
+               "--trainer.strategy.init_args.cp=auto", f"--trainer.strategy.init_args.gpu_memory={memory}"]  # fmt: skip
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900, check=False)
+
+    result = auto(budget)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "cp='auto' chose dp1 x cp2, DDP" in result.stderr + result.stdout
+    assert losses(tmp_path / "auto") == pytest.approx(losses(hand), abs=1e-6)
+    refused = auto(two / GIB * 0.999)
+    assert refused.returncode != 0 and "no layout fits" in refused.stderr

@@ -133,5 +133,5 @@ def nothing_fits(estimates: list[Estimate], hw: Hardware) -> str:
     best = min(estimates, key=lambda e: e.total)
     return (
         f"no layout fits {hw.gpu_memory_gib} GiB per GPU: the leanest, {best.layout.describe()}, needs "
-        f"{best.total / GIB:.1f} GiB per GPU; use more or larger GPUs, LoRA, fewer tokens or a smaller batch."
+        f"{best.total / GIB:.2f} GiB per GPU; use more or larger GPUs, LoRA, fewer tokens or a smaller batch."
     )
