@@ -8,6 +8,7 @@ The dry run runs in the CLI before the Trainer exists (so ``accelerator: cuda`` 
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 from cp_lightning.planner import Hardware, Layout, Training, estimate, resolve_model
@@ -55,9 +56,47 @@ def add_estimates(
     hw = Hardware(gpus=world, gpu_memory_gib=1e6)  # no budget: the estimate only
     for row in rows:
         split, text = tokens(_Bucket(row))
+        layout = replace(layout, batch=int(row.get("batch", batch_size)))
         # Wan's text is not split (cross-attention): the planner's default text length stands for it
         e = estimate(spec, layout, hw, training, split, text if spec.family.joint else None)
         row["est_gib_per_gpu"] = float(f"{e.gib_per_gpu:.4g}")  # tiny models need the digits
+
+
+def memory_check(datamodule, world: int, cp: int):
+    """``fits(row, batch)`` for ``batch_size: auto``: the planner's estimate for the Trainer's layout within the
+    budget (the strategy's ``gpu_memory=``, else the CUDA device's memory), or None when no budget is known."""
+    trainer = datamodule.trainer
+    strategy = trainer.strategy if trainer is not None else None
+    budget = (getattr(strategy, "_plan_hints", None) or {}).get("gpu_memory")
+    if budget is None and strategy is not None and strategy.root_device.type == "cuda":
+        import torch
+
+        budget = torch.cuda.get_device_properties(strategy.root_device).total_memory / 2**30
+    module = trainer.lightning_module if trainer is not None else None
+    if budget is None or module is None or not hasattr(module, "planner_model"):
+        return None
+    h = dict(module.hparams)
+    spec = module.planner_model()
+
+    def fits(row: dict, batch: int) -> bool:
+        probe = [dict(row, batch=batch)]
+        add_estimates(
+            probe,
+            spec,
+            datamodule.tokens,
+            world=world,
+            cp=cp,
+            ring=getattr(strategy, "ring", 1),
+            fsdp=bool(getattr(strategy, "fsdp", False)),
+            hsdp=bool(getattr(getattr(strategy, "fsdp_options", None), "hsdp", False)),
+            checkpointing=bool(h.get("gradient_checkpointing", False)),
+            lora_rank=int(h.get("lora_rank", 0)),
+            weights_dtype=h.get("weights_dtype", "float32"),
+            ema=bool(h.get("ema_decay", 0.0)),
+        )
+        return probe[0]["est_gib_per_gpu"] <= budget
+
+    return fits
 
 
 def _strategy_args(trainer: dict) -> dict:
@@ -100,7 +139,7 @@ def dry_run(config, model_class, data_class) -> None:
         lora_rank=int(model.get("lora_rank", 0)),
         weights_dtype=str(model.get("weights_dtype", "float32")),
         ema=bool(model.get("ema_decay", 0.0)),
-        batch_size=int(data.get("batch_size", 1)),
+        batch_size=1 if data.get("batch_size") == "auto" else int(data.get("batch_size", 1)),
     )
     print(f"buckets ({len(samples)} samples, batch_size {data.get('batch_size')} per dp rank, cp={cp}):")
     print(format_table(module.table))

@@ -302,3 +302,55 @@ def test_cp_auto_picks_the_smallest_cp_that_fits_and_trains_like_it_by_hand(tmp_
     assert losses(tmp_path / "auto") == pytest.approx(losses(hand), abs=1e-6)
     refused = auto(two / GIB * 0.999)
     assert refused.returncode != 0 and "no layout fits" in refused.stderr
+
+
+def test_auto_batch_sizes_and_the_grouped_sampler():
+    """batch_size: auto: about the largest bucket's tokens per step, no more than the samples allow, capped by
+    memory; every step's dp ranks get the same bucket and batch size (DDP's mean is then the per-sample mean)."""
+    from recipes.buckets import BucketBatchSampler, auto_batch_sizes
+
+    rows = [
+        {"frames": 1, "height": 32, "width": 32, "samples": 40},  # 64 tokens: 16 per step at most
+        {"frames": 1, "height": 64, "width": 64, "samples": 9},  # 256 tokens: 4
+        {"frames": 9, "height": 64, "width": 64, "samples": 5},  # 1024 tokens: 1
+    ]
+    split = {32: 64, 64: 256}
+    sizes = auto_batch_sizes(rows, lambda r: split[r["height"]] * (4 if r["frames"] == 9 else 1), dp=2)
+    assert sizes == {(1, 32, 32): 16, (1, 64, 64): 4, (9, 64, 64): 1}
+    assert [r["batch"] for r in rows] == [16, 4, 1] and [r["batches"] for r in rows] == [2, 2, 5]
+    capped = auto_batch_sizes(rows, lambda r: split[r["height"]] * (4 if r["frames"] == 9 else 1), dp=2,
+                              fits=lambda row, b: b <= 6)  # fmt: skip
+    assert capped[(1, 32, 32)] == 6 and capped[(1, 64, 64)] == 4
+    buckets = [(1, 32, 32)] * 40 + [(1, 64, 64)] * 9 + [(9, 64, 64)] * 5
+    ranks = [list(BucketBatchSampler(buckets, sizes, num_replicas=2, rank=r, seed=3)) for r in (0, 1)]
+    assert len(ranks[0]) == len(ranks[1]) == 1 + 1 + 2  # groups of 2 full batches: of 16, of 4, two of 1
+    for a, b in zip(*ranks, strict=True):
+        assert len(a) == len(b) and buckets[a[0][0]] == buckets[b[0][0]]
+        assert len({buckets[i] for i, _ in a + b}) == 1
+    seen = [i for r in ranks for batch in r for i, _ in batch]
+    assert len(seen) == len(set(seen))  # no sample twice in an epoch
+    plain = BucketBatchSampler(buckets, 4, num_replicas=2, rank=0, seed=3)  # one size: the sampler as before
+    assert all(len(batch) == 4 for batch in plain)
+
+
+def test_batch_size_auto_trains_mixed_images_and_videos_with_per_bucket_batches(tmp_path):
+    from tests.test_recipe_data import run, table, trained, write_image, write_video
+
+    folder = tmp_path / "media"
+    folder.mkdir()
+    for i in range(4):
+        write_video(folder / f"clip{i}.mp4", 11, 32, 32)
+        (folder / f"clip{i}.txt").write_text(f"a clip {i}")
+    for i in range(8):
+        write_image(folder / f"still{i}.png", 32, 32, i)
+        (folder / f"still{i}.txt").write_text(f"a still {i}")
+    args = [f"--data.data_dir={folder}", "--data.frame_buckets=[1, 9]", "--data.num_frames=9"]
+    run(tmp_path, "wan", *args, "--data.batch_size=auto", "--trainer.devices=4", "--trainer.max_steps=3")
+    out = tmp_path / "run_wan"
+    rows = {r["bucket"]: r for r in table(out)}
+    # the tiny VAE keeps every frame: a clip has 9x a still's tokens, but 8 stills over dp=2 fill 4 per rank
+    assert rows["32x32x9f"]["batch"] == "1" and rows["32x32"]["batch"] == "4"
+    ranks = trained(out)  # (dp rank, step, indices, latent shape) per step of each of the 4 ranks
+    for step in zip(*ranks, strict=True):
+        assert len({tuple(s[3]) for s in step}) == 1  # every rank of a step: the same bucket and batch size
+    assert {s[3][0] for r in ranks for s in r} <= {1, 4}
