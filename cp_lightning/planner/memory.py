@@ -120,16 +120,16 @@ def counts(spec: ModelSpec, lora_rank: int) -> Counts:
 
 
 @functools.lru_cache(maxsize=64)
-def _fit(spec_key: str, spec: ModelSpec, lora_rank: int, checkpointing: bool, text_tokens: int):
+def _fit(spec_key: str, spec: ModelSpec, lora_rank: int, checkpointing: bool, text_tokens: int, dtype):
     from cp_lightning.planner.trace import fit_activations
 
-    return fit_activations(spec, lora_rank=lora_rank, checkpointing=checkpointing, text_tokens=text_tokens)
+    return fit_activations(spec, lora_rank=lora_rank, checkpointing=checkpointing, text_tokens=text_tokens, dtype=dtype)
 
 
-def activation_fit(spec: ModelSpec, lora_rank: int, checkpointing: bool, text_tokens: int):
+def activation_fit(spec: ModelSpec, lora_rank: int, checkpointing: bool, text_tokens: int, dtype=torch.bfloat16):
     import json
 
-    return _fit(json.dumps(spec.config, sort_keys=True), spec, lora_rank, checkpointing, text_tokens)
+    return _fit(json.dumps(spec.config, sort_keys=True), spec, lora_rank, checkpointing, text_tokens, dtype)
 
 
 def local_tokens(spec: ModelSpec, tokens: int, text_tokens: int, cp: int) -> int:
@@ -196,11 +196,15 @@ def estimate(
     per_trainable = p_bytes * 4 + (p_bytes if training.ema else 0)  # weight, grad, 2 AdamW moments, EMA
     states = (c.trainable * per_trainable + frozen * BYTES[layout.base_dtype]) / shard
     # -- FSDP in-flight: gathered bf16 blocks and one block's unsharded fp32 gradients before reduce-scatter
+    mixed = training.precision.startswith("bf16") or training.precision.startswith("16")
     in_flight = 0.0
     if layout.fsdp != "off":
-        in_flight = (1 + training.prefetch) * c.block_max * 2 + c.block_trainable_max * 4
+        gathered = 2 if mixed else p_bytes  # MixedPrecisionPolicy gathers in bf16
+        in_flight = (1 + training.prefetch) * c.block_max * gathered + c.block_trainable_max * 4
     # -- activations (bytes per CP rank from the trace)
-    fit = activation_fit(spec, lora, layout.checkpointing, text)
+    # activations in the compute dtype: bf16 under bf16 precision, fp32 for 32-true
+    compute = torch.float32 if training.precision.startswith("32") else torch.bfloat16
+    fit = activation_fit(spec, lora, layout.checkpointing, text, compute)
     t_local = local_tokens(spec, tokens, text, layout.cp)
     saved, peak = fit.bytes(spec.layers, t_local, layout.batch)
     acts = peak
@@ -208,7 +212,6 @@ def estimate(
         # the checkpointed blocks' inputs live in host memory; one block's stay while it recomputes
         inputs = sum((n - 1) * (fit.saved[k][0] + fit.saved[k][1] * t_local) for k, n in spec.layers.items())
         acts = peak - layout.batch * inputs
-    mixed = training.precision.startswith("bf16") or training.precision.startswith("16")
     if mixed and layout.fsdp == "off":
         # autocast's bf16 copies of weights stored in fp32 are saved for backward (one block's if recomputed)
         fp32_linear = c.linear_in_blocks * (1 if not lora else 0)
