@@ -21,6 +21,7 @@ sharded ``torch.distributed.checkpoint`` directories, saved and resumed through 
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Mapping, Sequence
 from datetime import timedelta
@@ -40,11 +41,15 @@ from cp_lightning.checkpoint_io import AtomicCheckpointIO, repair_epoch_progress
 from cp_lightning.compilation import compile_options, compile_targets
 from cp_lightning.mesh import CP, DP, build_mesh
 
+log = logging.getLogger("lightning.pytorch")  # shown at INFO like Lightning's own set-up lines
+
 
 class _ContextParallel:
     """What the Lightning and the Fabric strategies share."""
 
     def _init_cp(self, cp, ring, plan, loss_parallel, kernel, allow_cross_node, check_steps) -> None:
+        self._auto_cp = cp == "auto"  # the layout planner picks cp and ring in setup_environment
+        cp = 1 if self._auto_cp else cp
         data_parallel.check_cp_options(cp, ring, plan, kernel, check_steps)
         self.cp, self.ring = cp, ring
         self.plan, self.loss_parallel, self.kernel = plan, bool(loss_parallel), kernel
@@ -86,9 +91,21 @@ class _ContextParallel:
         super()._configure_launcher()
 
     def setup_environment(self) -> None:
+        if self._auto_cp:
+            self._choose_cp()
         self._validate_layout()
         super().setup_environment()
         self._build_mesh_and_seed()
+
+    def _choose_cp(self) -> None:
+        from cp_lightning.planner import auto
+
+        if not hasattr(self, "_plan_hints"):
+            raise ValueError("cp='auto' is a ContextParallelStrategy (Lightning) option: give Fabric a number.")
+        chosen = auto.choose(self, **self._plan_hints)
+        self.cp, self.ring = chosen.layout.cp, chosen.layout.ring
+        if self.global_rank == 0:
+            log.info(auto.describe(chosen, self._plan_hints["gpu_memory"] or chosen.gib_per_gpu))
 
     def _validate_layout(self) -> None:
         """Pure arithmetic on devices and nodes: runs before any process is launched."""
@@ -241,8 +258,12 @@ class ContextParallelStrategy(_ContextParallel, DDPStrategy):
     """Lightning strategy: context parallelism over groups of ``cp`` devices, data parallel across them.
 
     Args:
-        cp: context-parallel degree (consecutive devices of a node); dp = devices x num_nodes / cp.
+        cp: context-parallel degree (consecutive devices of a node); dp = devices x num_nodes / cp. ``"auto"``:
+            the layout planner picks the smallest cp (and its ring) that fits, at set-up, from the module's
+            ``planner_model()`` and the data module's buckets (``cp_lightning/planner/auto.py``), and logs it.
         ring: ring degree inside cp (cp = ring x ulysses); 1 is pure Ulysses.
+        tokens: (cp="auto") tokens per sample, one per bucket, instead of the data module's bucket table.
+        gpu_memory: (cp="auto") the memory budget per process in GiB; default: the CUDA device's memory.
         plan: ``{module_path: plan}`` for modules without a diffusers ``_cp_plan``; by default every
             submodule that has one is parallelized.
         loss_parallel: keep outputs sharded and compute the loss per shard (see ``cp_lightning.loss_shard``).
@@ -278,9 +299,11 @@ class ContextParallelStrategy(_ContextParallel, DDPStrategy):
 
     def __init__(
         self,
-        cp: int,
+        cp: int | str,
         ring: int = 1,
         *,
+        tokens: Sequence[int] | None = None,
+        gpu_memory: float | None = None,
         plan: Mapping | None = None,
         loss_parallel: bool = False,
         kernel: str | None = None,
@@ -298,6 +321,7 @@ class ContextParallelStrategy(_ContextParallel, DDPStrategy):
         **kwargs: Any,
     ) -> None:
         self._init_cp(cp, ring, plan, loss_parallel, kernel, allow_cross_node, check_steps)
+        self._plan_hints = {"tokens": list(tokens) if tokens else None, "gpu_memory": gpu_memory}
         self._init_fsdp(fsdp, reshard_after_forward, cpu_offload, hsdp, fsdp_blocks)
         self._init_compile(compile, activation_offload)
         self.nonfinite = faults.NonFiniteCheck(nonfinite)

@@ -4,8 +4,9 @@ A bucket is (frames, height, width). Resolutions come from a pixel budget and a 
 (each side a multiple of what the model needs), frame counts from a list. A sample goes to the bucket
 nearest its aspect ratio among those whose frame count it can fill (the longest such). Buckets too
 small for one batch are merged into their nearest neighbour, or dropped, with a warning either way.
-:func:`plan_samples` places every image and clip; :func:`bucket_table` reports the result (and
-:func:`add_memory_estimate` a rough per-GPU peak for the dry run).
+:func:`plan_samples` places every image and clip; :func:`bucket_table` reports the result (the dry run's
+per-GPU estimate comes from the layout planner, recipes/planning.py; :func:`memory_estimate_gib` is the rough
+formula the presets' comments quote).
 
 :class:`BucketBatchSampler` gives every batch one bucket. It is sized by data-parallel ranks only: CP
 peers (same dp rank) get the same batches, dp ranks different ones; which batches a rank gets depends
@@ -18,10 +19,9 @@ import csv
 import math
 import random
 import warnings
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-
-import torch
 
 from recipes.media import clip_starts, probe
 
@@ -122,27 +122,39 @@ class BucketBatchSampler:
     full batches (a remainder is left for that epoch), the batches shuffled together, and dp rank r
     takes batches r, r + dp, ... (all ranks the same count). Items are ``(index, epoch)`` so the dataset
     can draw per-sample randomness (caption dropout) from (seed, epoch, index).
+
+    ``batch_size`` may map each bucket to its own batch size (``data.batch_size: auto``). Then the batches of
+    one bucket are dealt out in groups of dp, one per rank, and the groups shuffled: at every step all dp
+    ranks hold the same bucket and batch size, so DDP's mean of the ranks' mean losses is the mean over the
+    step's samples, as with one batch size.
     """
 
-    def __init__(self, buckets: list, batch_size: int, *, num_replicas: int = 1, rank: int = 0, seed: int = 0):
+    def __init__(self, buckets: list, batch_size, *, num_replicas: int = 1, rank: int = 0, seed: int = 0):
         self.buckets, self.batch_size = list(buckets), batch_size
         self.num_replicas, self.rank, self.seed, self.epoch = num_replicas, rank, seed, 0
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
 
+    def _size(self, bucket) -> int:
+        return self.batch_size[bucket] if isinstance(self.batch_size, Mapping) else self.batch_size
+
     def _batches(self) -> list[list[int]]:
         rng = random.Random(self.seed * 1_000_003 + self.epoch)
         groups: dict = {}
         for i, b in enumerate(self.buckets):
             groups.setdefault(b, []).append(i)
-        batches = []
+        batches, dealt = [], []
         for b in sorted(groups):
-            members = groups[b]
+            members, size = groups[b], self._size(b)
             rng.shuffle(members)
-            batches += [
-                members[k : k + self.batch_size] for k in range(0, len(members) - self.batch_size + 1, self.batch_size)
-            ]
+            cut = [members[k : k + size] for k in range(0, len(members) - size + 1, size)]
+            batches += cut
+            n = self.num_replicas
+            dealt += [cut[k : k + n] for k in range(0, len(cut) - n + 1, n)]
+        if isinstance(self.batch_size, Mapping):
+            rng.shuffle(dealt)
+            return [batch for group in dealt for batch in group]
         rng.shuffle(batches)
         return batches[: len(batches) // self.num_replicas * self.num_replicas]
 
@@ -152,6 +164,22 @@ class BucketBatchSampler:
 
     def __len__(self) -> int:
         return len(self._batches()) // self.num_replicas
+
+
+def auto_batch_sizes(rows: list[dict], split_tokens, *, dp: int, fits=None) -> dict[tuple, int]:
+    """``data.batch_size: auto``: each bucket's batch gives its CP ranks about the tokens of the largest bucket
+    at batch 1 (floor of the ratio, at least 1), no more than its samples can fill once per dp rank, and,
+    with ``fits(row, batch)`` (the planner's memory check), the largest such batch that fits.
+    ``split_tokens(row)`` is a row's split tokens per sample. Sets ``batch`` and ``batches`` in each row."""
+    target = max(split_tokens(r) for r in rows)
+    sizes = {}
+    for row in rows:
+        batch = max(1, min(target // split_tokens(row), row["samples"] // dp))
+        while fits is not None and batch > 1 and not fits(row, batch):
+            batch -= 1
+        sizes[(row["frames"], row["height"], row["width"])] = batch
+        row["batch"], row["batches"] = batch, row["samples"] // batch
+    return sizes
 
 
 def bucket_table(samples: list[dict], batch_size: int, cp: int, tokens) -> list[dict]:
@@ -265,41 +293,3 @@ def plan_samples(
                 }
             )
     return samples
-
-
-def add_memory_estimate(
-    rows: list[dict],
-    build,
-    config: dict,
-    *,
-    batch_size: int,
-    lora_rank: int,
-    lora_targets: list[str],
-    weights_dtype: str,
-    checkpointing: bool,
-) -> None:
-    """Adds ``est_gib_per_gpu`` to each row: the transformer built by ``build(config)`` on the meta device."""
-    from accelerate import init_empty_weights
-
-    with init_empty_weights():
-        model = build(config)
-    params = sum(p.numel() for p in model.parameters())
-    trainable = params
-    if lora_rank:
-        trainable = sum(
-            lora_rank * (m.in_features + m.out_features)
-            for name, m in model.named_modules()
-            if isinstance(m, torch.nn.Linear) and any(name.endswith(t) for t in lora_targets)
-        )
-    for row in rows:
-        gib = memory_estimate_gib(
-            params=params,
-            trainable=trainable,
-            weight_bytes=torch.empty((), dtype=getattr(torch, weights_dtype)).element_size(),
-            hidden=config["num_attention_heads"] * config["attention_head_dim"],
-            layers=config["num_layers"] + config.get("num_single_layers", 0),
-            tokens=row["tokens_per_cp_rank"],
-            batch=batch_size,
-            checkpointing=checkpointing,
-        )
-        row["est_gib_per_gpu"] = float(f"{gib:.4g}")  # tiny models need the digits

@@ -23,7 +23,7 @@ from torch.utils.data import DataLoader
 from recipes.buckets import (
     DEFAULT_ASPECT_RATIOS,
     BucketBatchSampler,
-    add_memory_estimate,
+    auto_batch_sizes,
     bucket_table,
     format_table,
     make_buckets,
@@ -106,7 +106,10 @@ class EncodedData(L.LightningDataModule):
             bucket and cropped, never stretched.
         small_buckets: ``merge`` (into the nearest bucket) or ``drop`` samples of buckets with fewer than
             ``batch_size`` samples; a warning says which.
-        batch_size: samples per data-parallel rank and step.
+        batch_size: samples per data-parallel rank and step, or ``auto``: per bucket, the batch that gives its
+            CP ranks about the tokens of the largest bucket at batch 1, capped by the planner's memory
+            estimate when the budget is known (a CUDA device, or the strategy's ``gpu_memory=``); the table
+            and ``buckets.csv`` show each bucket's ``batch``.
         caption_dropout: probability of training a sample with the empty caption, per sample and epoch.
         allow_empty_captions: train files without a caption on the empty caption (default: an error).
         fingerprint: what identifies a file's content for the cache: ``mtime`` (path, size, modification
@@ -136,7 +139,7 @@ class EncodedData(L.LightningDataModule):
         aspect_ratios: list[float | str] | None = None,
         crop: str = "center",
         small_buckets: str = "merge",
-        batch_size: int = 4,
+        batch_size: int | str = 4,
         caption_dropout: float = 0.0,
         allow_empty_captions: bool = False,
         fingerprint: str = "mtime",
@@ -164,12 +167,16 @@ class EncodedData(L.LightningDataModule):
             raise ValueError(f"caption_dropout is a probability in [0, 1], got {caption_dropout}.")
         if not isinstance(getattr(torch, encode_dtype, None), torch.dtype):
             raise ValueError(f"encode_dtype must name a torch dtype such as 'bfloat16', got {encode_dtype!r}.")
-        if batch_size < 1 or resolution < 1:
-            raise ValueError(f"batch_size and resolution must be positive, got {batch_size} and {resolution}.")
+        if batch_size != "auto" and (not isinstance(batch_size, int) or batch_size < 1) or resolution < 1:
+            raise ValueError(
+                f"batch_size (a positive int or 'auto') and resolution must be positive, got {batch_size!r} and "
+                f"{resolution}."
+            )
         self.aspect_ratios = [parse_ratio(r) for r in aspect_ratios] if aspect_ratios else None
         self.save_hyperparameters()
         self.dataset = None
         self.table: list[dict] = []
+        self.batch_sizes: dict[tuple, int] | None = None  # per bucket, with batch_size: auto
 
     @property
     def cache_folder(self) -> Path:
@@ -254,7 +261,8 @@ class EncodedData(L.LightningDataModule):
             probes.save()
         if not samples:
             raise ValueError(f"no sample of {self.data_dir} is long enough for a clip of {frame_counts[0]} frames.")
-        samples = settle_small_buckets(samples, h.batch_size, h.small_buckets)
+        batch = 1 if h.batch_size == "auto" else h.batch_size
+        samples = settle_small_buckets(samples, batch, h.small_buckets)
         model = model_fingerprint(self._pipeline_path())
         options = {
             "family": self.family,
@@ -270,7 +278,14 @@ class EncodedData(L.LightningDataModule):
             s["key"] = digest(
                 [s["source"].stamp, s["caption"], s["frames"], [b.frames, b.height, b.width], options, model]
             )
-        self.table = bucket_table(samples, h.batch_size, cp, self.tokens)
+        self.table = bucket_table(samples, batch, cp, self.tokens)
+        if h.batch_size == "auto":
+            from recipes.planning import memory_check
+
+            _, world, *_ = self._layout()
+            split = lambda row: self.tokens(_Bucket(row))[0]  # noqa: E731
+            fits = memory_check(self, world, cp)
+            self.batch_sizes = auto_batch_sizes(self.table, split, dp=max(world // cp, 1), fits=fits)
         return samples
 
     def setup(self, stage: str) -> None:
@@ -323,7 +338,8 @@ class EncodedData(L.LightningDataModule):
         # Sized by the strategy (dp ranks under CP: CP peers get the same batches), one replica otherwise.
         trainer = self.trainer
         kwargs = (trainer.distributed_sampler_kwargs if trainer else None) or {"num_replicas": 1, "rank": 0}
-        sampler = BucketBatchSampler(self.dataset.buckets, self.hparams.batch_size, seed=self.hparams.seed, **kwargs)
+        sizes = self.batch_sizes or self.hparams.batch_size
+        sampler = BucketBatchSampler(self.dataset.buckets, sizes, seed=self.hparams.seed, **kwargs)
         if len(sampler) == 0:
             raise ValueError(
                 f"{sum(r['batches'] for r in self.table)} full batches of {self.hparams.batch_size} per epoch cannot "
@@ -333,25 +349,34 @@ class EncodedData(L.LightningDataModule):
         return ResumableLoader(self.dataset, batch_sampler=sampler, trainer=trainer)
 
     def _add_memory_estimate(self) -> None:
-        """Adds ``est_gib_per_gpu`` to the table: the transformer's weights, trainable state, activations."""
-        import diffusers
-
-        from recipes.components import FAMILIES
+        """Adds the layout planner's ``est_gib_per_gpu`` for the Trainer's layout to the table."""
+        from recipes.planning import add_estimates, model_spec
 
         module = self.trainer.lightning_module if self.trainer is not None else None
         hparams = dict(module.hparams) if module is not None else {}
-        transformer = getattr(diffusers, FAMILIES[self.family][1])
-        config = transformer.load_config(self._pipeline_path(), subfolder="transformer")
-        add_memory_estimate(
+        strategy = self.trainer.strategy if self.trainer is not None else None
+        add_estimates(
             self.table,
-            transformer.from_config,
-            config,
-            batch_size=self.hparams.batch_size,
-            lora_rank=hparams.get("lora_rank", 0),
-            lora_targets=getattr(module, "lora_targets", []),
-            weights_dtype=hparams.get("weights_dtype", "float32"),
+            model_spec(self.hparams.pretrained, self._pipeline_path()),
+            self.tokens,
+            world=self.trainer.world_size if self.trainer is not None else 1,
+            cp=getattr(strategy, "cp", 1),
+            ring=getattr(strategy, "ring", 1),
+            fsdp=bool(getattr(strategy, "fsdp", False)),
+            hsdp=bool(getattr(getattr(strategy, "fsdp_options", None), "hsdp", False)),
             checkpointing=bool(hparams.get("gradient_checkpointing", False)),
+            lora_rank=int(hparams.get("lora_rank", 0)),
+            weights_dtype=hparams.get("weights_dtype", "float32"),
+            ema=bool(hparams.get("ema_decay", 0.0)),
+            batch_size=self.hparams.batch_size,
         )
+
+
+class _Bucket:
+    """A table row as a bucket for ``tokens(bucket)``."""
+
+    def __init__(self, row: dict) -> None:
+        self.frames, self.height, self.width = row["frames"], row["height"], row["width"]
 
 
 class FluxData(EncodedData):
@@ -407,7 +432,7 @@ class WanData(EncodedData):
         clip_position: str = "start",
         clips_per_video: int = 1,
         skip_short_clips: bool = False,
-        batch_size: int = 2,
+        batch_size: int | str = 2,
         caption_dropout: float = 0.0,
         allow_empty_captions: bool = False,
         fingerprint: str = "mtime",

@@ -195,6 +195,19 @@ class FlowMatchingFineTune(L.LightningModule):
         if h.ema_decay and not loading.pending(self.transformer):  # (else in make_optimizer, once loaded)
             self.ema = training.TrainableEMA(self.trainable_parameters(), h.ema_decay)
 
+    def planner_model(self):
+        """The full-size model for the layout planner (``cp: auto``): a built-in config for a known hub id,
+        else the pipeline's ``transformer/config.json``."""
+        from cp_lightning.planner.recipe import HUB
+        from recipes.components import resolve_pretrained
+        from recipes.planning import model_spec
+
+        h = self.hparams
+        if h.pretrained.lower() in HUB:
+            return model_spec(h.pretrained)
+        path = resolve_pretrained(self.family, h.pretrained, h.cache_dir)
+        return model_spec(h.pretrained, path, subfolder=self.transformer_subfolder)
+
     def trainable_parameters(self) -> list[tuple[str, torch.nn.Parameter]]:
         return [(name, p) for name, p in self.named_parameters() if p.requires_grad]
 
@@ -314,6 +327,16 @@ class RecipeCLI(LightningCLI):
         for key, callback in sections.items():
             parser.add_lightning_class_args(callback, key)
             parser.link_arguments("out_dir", f"{key}.out_dir")
+
+    def before_instantiate_classes(self) -> None:
+        # the dry run plans on the CPU from the YAML alone: no Trainer (whose CUDA accelerator a CPU machine
+        # refuses), no processes (recipes/planning.py)
+        config = self.config[self.subcommand] if self.subcommand else self.config
+        if config["data"].get("dry_run"):
+            from recipes.planning import dry_run
+
+            dry_run(config, self.model_class, self.datamodule_class)
+            raise SystemExit(0)
 
     def before_fit(self) -> None:
         from recipes import lora

@@ -1,0 +1,386 @@
+"""The layout planner (cp_lightning/planner/): CLI, bad input, the memory model's shape, the traced activations
+against what autograd saves in a real CPU run, published figures (DESIGN section 8.3), recipe YAMLs."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from cp_lightning.planner import CONFIGS, Hardware, Layout, Training, estimate, resolve_model, search
+from cp_lightning.planner.cli import run
+from cp_lightning.planner.trace import build_meta, fit_activations
+
+ROOT = Path(__file__).resolve().parents[1]
+GIB = 2**30
+
+
+def plan(*args: str) -> dict:
+    return run(["--json", *args])[0]
+
+
+# ---------------------------------------------------------------- CLI and bad input
+
+
+def test_cli_json_and_table():
+    out = subprocess.run(
+        [sys.executable, "-m", "cp_lightning.plan", "--model", "wan2.1-t2v-1.3b", "--gpus", "4", "--gpu-memory", "24",
+         "--tokens", "16384", "4096", "--lora-rank", "16", "--json"],
+        capture_output=True, text=True, cwd=ROOT, check=False,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    assert "RuntimeWarning" not in out.stderr  # no runpy double import
+    result = json.loads(out.stdout)
+    layout = result["layout"]
+    assert layout["dp"] * layout["cp"] == 4 and result["fits"]
+    assert 0 < result["gib_per_gpu"] <= 24
+    parts = result["gib"]
+    assert abs(sum(parts.values()) - result["gib_per_gpu"]) < 0.01
+    _, table = run(["--model", "flux.1-dev", "--gpus", "8", "--gpu-memory", "80", "--tokens", "4096", "--top", "3"])
+    assert table.count("\n| dp") == 3 and "| states |" in table and "all_to_all" in table
+
+
+def test_given_layout_is_evaluated():
+    r = plan("--model", "wan2.1-t2v-14b", "--gpus", "8", "--gpu-memory", "80", "--tokens", "75600", "--lora-rank",
+             "32", "--dp", "1", "--cp", "8", "--ring", "2", "--fsdp", "on", "--checkpointing", "on")  # fmt: skip
+    assert r["layout"]["cp"] == 8 and r["layout"]["ring"] == 2 and r["layout"]["fsdp"] == "full"
+    assert set(r["bytes_per_step"]) == {"all_to_all", "ring_p2p", "all_gather", "reduce_scatter"}
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--model", "wan3"], "wan2.1-t2v-14b"),  # unknown names list the built-in ones
+        (["--gpus", "12", "--nodes", "5"], "equal nodes"),
+        (["--dp", "2", "--cp", "2", "--fsdp", "on", "--checkpointing", "on"], "does not match --gpus 8"),
+        (["--dp", "2", "--cp", "4"], "--fsdp on|off"),
+        (["--tokens", "0"], "positive"),
+        (["--tokens", "-5"], "positive"),
+        (["--batch", "0"], "--batch"),
+        (["--gpu-memory", "1"], "fixed overhead"),
+        (["--lora-rank", "-1"], "--lora-rank"),
+        (["--dp", "1", "--cp", "8", "--ring", "3", "--fsdp", "on", "--checkpointing", "on"], "must divide cp=8"),
+        (["--dp", "1", "--cp", "8", "--fsdp", "on", "--checkpointing", "on"], "12 heads"),  # 1.3B: 12 heads
+        (
+            ["--gpus", "16", "--nodes", "4", "--dp", "2", "--cp", "8", "--fsdp", "on", "--checkpointing", "on"],
+            "per node",
+        ),
+        (["--base-dtype", "float8_e4m3fn"], "needs --lora-rank"),
+    ],
+)
+def test_bad_input(args, message):
+    base = {"--model": "wan2.1-t2v-1.3b", "--gpus": "8", "--gpu-memory": "80", "--tokens": "4096"}
+    argv = [x for k, v in base.items() if k not in args for x in (k, v)] + args
+    with pytest.raises(ValueError, match=message.replace("|", r"\|")):
+        run(argv)
+
+
+def test_builtin_configs_match_architectures_folder():
+    files = {
+        "wan2.1-t2v-1.3b": "wan2.1-t2v-1.3b",
+        "wan2.1-t2v-14b": "wan2.1-t2v-14b",
+        "wan2.2-ti2v-5b": "wan2.2-ti2v-5b",
+        "wan2.2-t2v-a14b": "wan2.2-t2v-a14b",
+        "hunyuanvideo": "hunyuanvideo",
+        "flux.1-dev": "flux1-dev",
+    }
+    for name, stem in files.items():
+        assert CONFIGS[name] == json.loads((ROOT / f"configs/architectures/{stem}-transformer.json").read_text())
+    # a config.json path resolves like its built-in name
+    spec = resolve_model(str(ROOT / "configs/architectures/wan2.1-t2v-14b-transformer.json"))
+    assert spec.config == CONFIGS["wan2.1-t2v-14b"]
+    # published parameter counts (base models): 1.3B, 14B, 5B, 13B, 12B, 20B
+    sizes = {"wan2.1-t2v-1.3b": 1.42e9, "wan2.1-t2v-14b": 14.29e9, "wan2.2-ti2v-5b": 5.0e9, "hunyuanvideo": 12.8e9,
+             "flux.1-dev": 11.9e9, "qwen-image": 20.4e9}  # fmt: skip
+    for name, size in sizes.items():
+        n = sum(p.numel() for p in build_meta(resolve_model(name), {}, lora_rank=0, dtype=torch.bfloat16).parameters())
+        assert abs(n / size - 1) < 0.03, (name, n)
+
+
+# ---------------------------------------------------------------- the memory model's shape
+
+
+def test_monotone_in_cp_fsdp_checkpointing():
+    spec = resolve_model("wan2.1-t2v-14b")
+    hw = Hardware(gpus=8, gpu_memory_gib=80)
+    lora = Training(lora_rank=32)
+
+    def est(**kw):
+        return estimate(spec, Layout(**{"dp": 8 // kw.get("cp", 1), **kw}), hw, lora, 75600)
+
+    acts = [est(cp=cp, fsdp="full", checkpointing=True).activations for cp in (1, 2, 4, 8)]
+    assert all(a > b for a, b in zip(acts, acts[1:], strict=False))
+    assert acts[0] / acts[3] == pytest.approx(8, rel=0.1)  # per CP rank: ~1/cp
+    assert est(cp=2, fsdp="full").states < est(cp=2, fsdp="hsdp").states < est(cp=2, fsdp="off").states
+    assert est(cp=8, checkpointing=True).activations < est(cp=8).activations / 5
+    assert est(cp=8, checkpointing=True, offload=True).activations < est(cp=8, checkpointing=True).activations
+    assert est(cp=8, fsdp="full", base_dtype="float8_e4m3fn").states < est(cp=8, fsdp="full").states
+    full = Training(lora_rank=0)
+    assert estimate(spec, Layout(8, 1, fsdp="full"), hw, full, 4096).states > est(cp=1, fsdp="full").states * 4
+    assert est(cp=8, ring=2).cp_buffers > est(cp=8).cp_buffers  # the ring's K/V blocks in flight
+
+
+def test_search_ranks_fitting_layouts_first_and_says_what_is_missing():
+    spec = resolve_model("wan2.1-t2v-14b")
+    ests = search(spec, Hardware(gpus=8, gpu_memory_gib=80), Training(lora_rank=32), [75600, 9000])
+    assert ests[0].fits and all(e.total <= 80 * GIB for e in ests if e.fits)
+    fits = [e.fits for e in ests]
+    assert fits == sorted(fits, reverse=True)
+    r = plan("--model", "wan2.1-t2v-14b", "--gpus", "4", "--gpu-memory", "24", "--tokens", "75600")
+    assert not r["fits"] and "no layout fits 24.0 GiB" in r["why"]
+
+
+# ---------------------------------------------------------------- the trace against a real CPU run
+
+
+def _tiny_wan(tmp_path: Path, layers: int) -> Path:
+    config = dict(CONFIGS["wan2.1-t2v-1.3b"], num_attention_heads=2, attention_head_dim=32, ffn_dim=160, text_dim=48,
+                  freq_dim=32, num_layers=layers)  # fmt: skip
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(config))
+    return path
+
+
+def _saved_bytes(model, inputs) -> int:
+    """What autograd saves in a real CPU forward (unique storages, parameters excluded)."""
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    storages: dict[int, int] = {}
+
+    def pack(t):
+        s = t.untyped_storage()
+        if s.data_ptr() not in params:
+            storages[s.data_ptr()] = s.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = model(**inputs, return_dict=False)[0]
+    out.float().square().mean().backward()
+    return sum(storages.values())
+
+
+@pytest.mark.parametrize("lora_rank", [0, 4])
+def test_traced_bytes_per_layer_match_autograd_on_cpu(tmp_path, lora_rank):
+    from cp_lightning.models import CASES
+
+    spec = resolve_model(str(_tiny_wan(tmp_path, 2)))
+    tokens, text = 512, 16
+    fit = fit_activations(spec, lora_rank=lora_rank, checkpointing=False, text_tokens=text, dtype=torch.float32)
+    measured = []
+    for layers in (2, 3):
+        torch.manual_seed(0)
+        import diffusers
+
+        config = {k: v for k, v in spec.config.items() if not k.startswith("_")}
+        model = diffusers.WanTransformer3DModel(**dict(config, num_layers=layers))
+        if lora_rank:
+            from peft import LoraConfig
+
+            model.requires_grad_(False)
+            model.add_adapter(
+                LoraConfig(r=lora_rank, lora_alpha=lora_rank, target_modules=list(spec.family.lora_targets))
+            )
+        inputs = CASES["wan2.1"].inputs(model, torch.Generator().manual_seed(0), 1, tokens, text, torch.float32)
+        measured.append(_saved_bytes(model.train(), inputs))
+    a, b = fit.saved["num_layers"]
+    traced = a + b * tokens
+    assert traced == pytest.approx(measured[1] - measured[0], rel=0.01), (traced, measured)
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_trace_on_meta_equals_the_same_count_on_real_cpu_tensors(tmp_path, checkpointing):
+    """Saved bytes and the forward + backward peak: the meta trace (flash-style attention stand-in) against the
+    live-storage count of a real CPU run (torch's own SDPA) of the same model."""
+    import diffusers
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    from cp_lightning.models import CASES
+    from cp_lightning.planner.trace import LiveBytes, trace
+
+    spec = resolve_model(str(_tiny_wan(tmp_path, 3)))
+    traced = trace(spec, {"num_layers": 3}, tokens=256, text_tokens=16, checkpointing=checkpointing,
+                   dtype=torch.float32)  # fmt: skip
+    torch.manual_seed(0)
+    model = diffusers.WanTransformer3DModel(**{k: v for k, v in spec.config.items() if not k.startswith("_")})
+    if checkpointing:
+        model.enable_gradient_checkpointing()
+    for p in model.parameters():
+        p.register_post_accumulate_grad_hook(lambda p: setattr(p, "grad", None))
+    inputs = CASES["wan2.1"].inputs(model, torch.Generator().manual_seed(0), 1, 256, 16, torch.float32)
+    counter = LiveBytes({StorageWeakRef(p.untyped_storage()) for p in model.parameters()})
+    with counter:
+        loss = model.train()(**inputs, return_dict=False)[0].float().square().mean()
+        saved = counter.live
+        loss.backward()
+    assert traced.saved == saved
+    # with checkpointing at this tiny size one 64 KiB temporary differs between the meta and the real run
+    assert traced.peak == pytest.approx(counter.peak, rel=0.03)
+
+
+# ---------------------------------------------------------------- published figures (DESIGN section 8.3)
+
+
+def test_published_figures():
+    # NeMo AutoModel Wan2.1-1.3B, 16,384 tokens, FSDP2 fp32 params / bf16 compute, no checkpointing, 8 GPUs:
+    # 54.9 GB at dp8 x cp1, 16.3 GB at dp2 x cp4. The absolute values are ~38% high (docs/planning.md says why
+    # we think so); their ratio is checked here.
+    common = ["--model", "wan2.1-t2v-1.3b", "--gpus", "8", "--gpu-memory", "80", "--tokens", "16384", "--fsdp", "on",
+              "--checkpointing", "off"]  # fmt: skip
+    dp8 = plan(*common, "--dp", "8", "--cp", "1")["gib_per_gpu"]
+    dp2 = plan(*common, "--dp", "2", "--cp", "4")["gib_per_gpu"]
+    assert dp8 / dp2 == pytest.approx(54.9 / 16.3, rel=0.05)
+    # FastVideo HunyuanVideo 13B full fine-tune, sp=4, checkpointing, EMA, batch 1, ~38k tokens: 74.8 GB on 4 GPUs
+    hy = ["--model", "hunyuanvideo", "--gpu-memory", "80", "--tokens", "38000", "--fsdp", "on", "--checkpointing",
+          "on", "--ema", "--cp", "4"]  # fmt: skip
+    four = plan(*hy, "--gpus", "4", "--dp", "1")["gib_per_gpu"]
+    eight = plan(*hy, "--gpus", "8", "--dp", "2")["gib_per_gpu"]
+    assert four == pytest.approx(74.8, rel=0.15)
+    assert eight == pytest.approx(47.1, rel=0.15)
+    # Wan2.1-14B full fine-tune replicated (no FSDP) at 512x512x81 (21 x 32 x 32 tokens) on 80-141 GB GPUs: refused
+    for memory in ("80", "141"):
+        r = plan("--model", "wan2.1-t2v-14b", "--gpus", "8", "--gpu-memory", memory, "--tokens", "21504", "--fsdp",
+                 "off")  # fmt: skip
+        assert not r["fits"]
+
+
+# ---------------------------------------------------------------- recipes
+
+
+def test_config_reads_recipe_without_processes():
+    r = plan("--config", str(ROOT / "configs/wan2.1_t2v_14b_lora_fsdp_cp8.yaml"), "--gpu-memory", "80")
+    assert r["model"] == "wan2.1-t2v-14b" and r["tokens"] == [75600]  # 21 x 45 x 80 video tokens
+    assert r["layout"] == {"dp": 1, "cp": 8, "ring": 1, "fsdp": "full", "checkpointing": True, "offload": False,
+                           "base_dtype": "bfloat16", "batch": 1}  # fmt: skip
+    assert 0 < r["gib_per_gpu"] < 80
+
+
+def test_config_scans_data_dir(tmp_path):
+    from recipes.data import make_shapes
+
+    make_shapes(tmp_path / "images", 6, size=64)
+    text = (ROOT / "configs/flux1_dev_lora_cp4.yaml").read_text()
+    text = text.replace("data/my_images", str(tmp_path / "images")).replace("outputs/cache", str(tmp_path / "cache"))
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(text)
+    result, report = run(["--config", str(recipe), "--gpu-memory", "80", "--json"])
+    assert "1 buckets from" in report
+    assert result["tokens"] == [4096]  # 1024 x 1024 px: 64 x 64 latent tokens after 2x2 patches
+    assert result["layout"]["cp"] == 4
+
+
+def test_recipe_dry_run_plans_on_cpu_without_processes(tmp_path):
+    """`--data.dry_run=true` on the 8-GPU CUDA preset: no Trainer, no processes; the estimate is the planner's."""
+    import csv
+
+    from recipes.planning import add_estimates
+
+    run_dir = tmp_path / "run"
+    preset = ROOT / "configs/wan2.1_t2v_14b_lora_fsdp_cp8.yaml"
+    cmd = [sys.executable, "-m", "recipes.wan", "fit", "--config", str(preset),
+           "--data.dry_run=true", f"--data.data_dir={tmp_path / 'videos'}", "--data.synthetic_samples=2",
+           "--data.num_frames=9", "--data.resolution=256", "--data.width=256", f"--data.cache_dir={tmp_path / 'cache'}",
+           f"--trainer.default_root_dir={run_dir}"]  # fmt: skip
+    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, check=False)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "CUDAAccelerator" not in out.stderr and "est_gib_per_gpu" in out.stdout
+    with (run_dir / "buckets.csv").open() as f:
+        (row,) = list(csv.DictReader(f))
+    assert row["tokens_per_sample"] == "768" and row["tokens_per_cp_rank"] == "96"  # 3 x 16 x 16 over cp=8
+    expected = [{"frames": 9, "height": 256, "width": 256}]
+    add_estimates(expected, resolve_model("wan2.1-t2v-14b"), lambda b: (768, 0), world=8, cp=8, fsdp=True,
+                  checkpointing=True, lora_rank=32, weights_dtype="bfloat16")  # fmt: skip
+    assert float(row["est_gib_per_gpu"]) == pytest.approx(expected[0]["est_gib_per_gpu"], rel=1e-3)
+
+
+@pytest.mark.slow
+def test_cp_auto_picks_the_smallest_cp_that_fits_and_trains_like_it_by_hand(tmp_path):
+    """cp='auto' at world 2 with a budget between the cp=1 and cp=2 predictions picks cp=2 and trains the same
+    losses as cp=2 given by hand; a budget below both is a clear error."""
+    import csv
+    import os
+
+    from tests.test_recipes import losses, run_recipe
+
+    steps = ["--trainer.max_steps=3", "--samples.every_n_steps=0"]
+    hand = run_recipe(tmp_path, "hand", *steps, cache=tmp_path)
+    with (hand / "buckets.csv").open() as f:
+        tokens = [int(r["tokens_per_sample"]) - 32 for r in csv.DictReader(f)]  # minus the 32 text tokens
+    spec = resolve_model(str(tmp_path / "cache/tiny_flux_pipeline/transformer/config.json"))
+    hw, lora = Hardware(gpus=2, gpu_memory_gib=1e3), Training(lora_rank=16)
+    # the tiny recipe's frozen base stays in fp32 (weights_dtype's default)
+    layouts = [Layout(2 // cp, cp, base_dtype="float32", batch=4) for cp in (1, 2)]
+    one, two = (estimate(spec, lay, hw, lora, max(tokens), 32).total for lay in layouts)
+    assert two < one
+    budget = (one + two) / 2 / GIB
+
+    def auto(memory: float) -> subprocess.CompletedProcess:
+        out = tmp_path / "auto"
+        text = (ROOT / "configs/tiny_flux_cp2.yaml").read_text().replace("outputs/tiny_flux_cp2", str(out))
+        config = tmp_path / "auto.yaml"
+        config.write_text(text.replace("outputs/", f"{tmp_path}/"))
+        cmd = [sys.executable, "-m", "recipes.flux", "fit", "--config", str(config), *steps,
+               "--trainer.strategy.init_args.cp=auto", f"--trainer.strategy.init_args.gpu_memory={memory}"]  # fmt: skip
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900, check=False)
+
+    result = auto(budget)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "cp='auto' chose dp1 x cp2, DDP" in result.stderr + result.stdout
+    assert losses(tmp_path / "auto") == pytest.approx(losses(hand), abs=1e-6)
+    refused = auto(two / GIB * 0.999)
+    assert refused.returncode != 0 and "no layout fits" in refused.stderr
+
+
+def test_auto_batch_sizes_and_the_grouped_sampler():
+    """batch_size: auto: about the largest bucket's tokens per step, no more than the samples allow, capped by
+    memory; every step's dp ranks get the same bucket and batch size (DDP's mean is then the per-sample mean)."""
+    from recipes.buckets import BucketBatchSampler, auto_batch_sizes
+
+    rows = [
+        {"frames": 1, "height": 32, "width": 32, "samples": 40},  # 64 tokens: 16 per step at most
+        {"frames": 1, "height": 64, "width": 64, "samples": 9},  # 256 tokens: 4
+        {"frames": 9, "height": 64, "width": 64, "samples": 5},  # 1024 tokens: 1
+    ]
+    split = {32: 64, 64: 256}
+    sizes = auto_batch_sizes(rows, lambda r: split[r["height"]] * (4 if r["frames"] == 9 else 1), dp=2)
+    assert sizes == {(1, 32, 32): 16, (1, 64, 64): 4, (9, 64, 64): 1}
+    assert [r["batch"] for r in rows] == [16, 4, 1] and [r["batches"] for r in rows] == [2, 2, 5]
+    capped = auto_batch_sizes(rows, lambda r: split[r["height"]] * (4 if r["frames"] == 9 else 1), dp=2,
+                              fits=lambda row, b: b <= 6)  # fmt: skip
+    assert capped[(1, 32, 32)] == 6 and capped[(1, 64, 64)] == 4
+    buckets = [(1, 32, 32)] * 40 + [(1, 64, 64)] * 9 + [(9, 64, 64)] * 5
+    ranks = [list(BucketBatchSampler(buckets, sizes, num_replicas=2, rank=r, seed=3)) for r in (0, 1)]
+    assert len(ranks[0]) == len(ranks[1]) == 1 + 1 + 2  # groups of 2 full batches: of 16, of 4, two of 1
+    for a, b in zip(*ranks, strict=True):
+        assert len(a) == len(b) and buckets[a[0][0]] == buckets[b[0][0]]
+        assert len({buckets[i] for i, _ in a + b}) == 1
+    seen = [i for r in ranks for batch in r for i, _ in batch]
+    assert len(seen) == len(set(seen))  # no sample twice in an epoch
+    plain = BucketBatchSampler(buckets, 4, num_replicas=2, rank=0, seed=3)  # one size: the sampler as before
+    assert all(len(batch) == 4 for batch in plain)
+
+
+def test_batch_size_auto_trains_mixed_images_and_videos_with_per_bucket_batches(tmp_path):
+    from tests.test_recipe_data import run, table, trained, write_image, write_video
+
+    folder = tmp_path / "media"
+    folder.mkdir()
+    for i in range(4):
+        write_video(folder / f"clip{i}.mp4", 11, 32, 32)
+        (folder / f"clip{i}.txt").write_text(f"a clip {i}")
+    for i in range(8):
+        write_image(folder / f"still{i}.png", 32, 32, i)
+        (folder / f"still{i}.txt").write_text(f"a still {i}")
+    args = [f"--data.data_dir={folder}", "--data.frame_buckets=[1, 9]", "--data.num_frames=9"]
+    run(tmp_path, "wan", *args, "--data.batch_size=auto", "--trainer.devices=4", "--trainer.max_steps=3")
+    out = tmp_path / "run_wan"
+    rows = {r["bucket"]: r for r in table(out)}
+    # the tiny VAE keeps every frame: a clip has 9x a still's tokens, but 8 stills over dp=2 fill 4 per rank
+    assert rows["32x32x9f"]["batch"] == "1" and rows["32x32"]["batch"] == "4"
+    ranks = trained(out)  # (dp rank, step, indices, latent shape) per step of each of the 4 ranks
+    for step in zip(*ranks, strict=True):
+        assert len({tuple(s[3]) for s in step}) == 1  # every rank of a step: the same bucket and batch size
+    assert {s[3][0] for r in ranks for s in r} <= {1, 4}
