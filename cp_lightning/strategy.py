@@ -222,14 +222,14 @@ class _ContextParallel:
 
     def _sync_states(self, module: nn.Module) -> None:
         """Collective. DDP's start-up broadcast without its 250 MB buckets and copies of every weight (see
-        data_parallel.sync_module_states), unless the user set DDP's own ``init_sync``."""
-        if not hasattr(self, "_own_state_sync"):
-            self._own_state_sync = "init_sync" not in self._ddp_kwargs
+        data_parallel.sync_module_states). ``init_sync=False`` (the user's promise that the ranks' weights are
+        equal) skips it, as it skips DDP's own."""
+        if not hasattr(self, "_own_state_sync"):  # (LightningCLI passes DDP's default init_sync=True explicitly)
+            self._own_state_sync = self._ddp_kwargs.get("init_sync", True) is not False
         if self._own_state_sync:
             data_parallel.sync_module_states(module)  # (float8 tensors too, as bytes)
-            self._ddp_kwargs["init_sync"] = False
-        else:
-            data_parallel.prepare_ddp(module)  # an fp8 frozen base: gloo cannot broadcast float8
+        data_parallel.hide_float8_from_ddp(module)
+        self._ddp_kwargs["init_sync"] = False
 
     def _checkpoint_meta(self) -> dict:
         meta = {"rng_states": self._gather_rng_states(), "cp": self.cp, "ring": self.ring, "fsdp": self.fsdp}
