@@ -87,6 +87,14 @@ class HeldBytes(L.Callback):
 
     def __init__(self, folder: str):
         self.folder = Path(folder)
+        self.loaded_anon = None
+
+    def on_fit_start(self, trainer, pl_module):
+        # after the strategy's set-up (loading, sharding, DDP wrapping), before any sample or training step;
+        # loading only grows the process, so its current RssAnon is the loading peak
+        from benchmarks.rss import rss_anon
+
+        self.loaded_anon = rss_anon(os.getpid())
 
     def on_train_start(self, trainer, pl_module):
         def local(t) -> int:
@@ -98,7 +106,7 @@ class HeldBytes(L.Callback):
         frozen += sum(local(b) for b in module.buffers())
         trainable = sum(local(p) for p in module.parameters() if p.requires_grad)
         self.folder.mkdir(parents=True, exist_ok=True)
-        held = {"rank": trainer.global_rank, "frozen": frozen, "trainable": trainable}
+        held = {"rank": trainer.global_rank, "frozen": frozen, "trainable": trainable, "loaded": self.loaded_anon}
         (self.folder / f"rank{trainer.global_rank}.json").write_text(json.dumps(held))
 
 
@@ -259,6 +267,12 @@ def rows_for_world(world: int, results: dict, baselines: dict, param_count: int)
         bf16_per_rank = param_count * 2 / (world if mode.fsdp else 1)
         frozen = [result["held"].get(r, {}).get("frozen") for r in range(world)]
         row["trainable"] = [result["held"].get(r, {}).get("trainable") for r in range(world)]
+        loaded = [result["held"].get(r, {}).get("loaded") for r in range(world)]
+        base_loaded = [base["held"].get(r, {}).get("loaded") for r in range(world)]
+        row["loaded_ratio"] = [
+            (a - b) / model_bytes if a is not None and b is not None else None
+            for a, b in zip(loaded, base_loaded, strict=True)
+        ]
         row.update(
             status="ok",
             above=above,
@@ -284,6 +298,7 @@ def render(world: int, rows: list[dict], param_count: int, baselines: dict) -> s
         "peak RssAnon above the tiny run, MiB (rank 0 / 1 / ...)",
         "x model in its training dtype",
         "target",
+        "x model at training start (loaded)",
         "frozen base MiB/rank",
         "frozen base vs bf16",
         "wall s",
@@ -291,7 +306,7 @@ def render(world: int, rows: list[dict], param_count: int, baselines: dict) -> s
     body = []
     for r in rows:
         if r["status"] != "ok":
-            body.append([r["mode"], r["label"], r["files"], r["status"], "", "", "", "", ""])
+            body.append([r["mode"], r["label"], r["files"], r["status"], "", "", "", "", "", ""])
             continue
         body.append(
             [
@@ -301,6 +316,7 @@ def render(world: int, rows: list[dict], param_count: int, baselines: dict) -> s
                 _per_rank([a / common.MiB for a in r["above"]], ".0f"),
                 _per_rank(r["ratio"], ".2f"),
                 r["target"],
+                _per_rank(r["loaded_ratio"], ".2f"),
                 _per_rank([f / common.MiB if f is not None else None for f in r["frozen"]], ".0f"),
                 _per_rank(r["frozen_vs_bf16"], ".3f"),
                 f"{r['wall']:.0f}",

@@ -187,14 +187,17 @@ def test_scale_memory_benchmark_measures_a_tiny_run(capsys, tmp_path):
     out = scale_memory.main(argv)
     (row,) = out["rows"]
     assert row["status"] == "ok" and row["world"] == 2 and len(row["above"]) == 2, row
-    # every DDP rank holds the whole fp32 model (16 MiB here) on top of what the tiny run holds
-    assert all(0.9 <= r <= 4.0 for r in row["ratio"]), row
+    # the fp32 files load memory-mapped (shared file pages, not the rank's own memory) and DDP's start-up sync
+    # copies nothing: at training start a DDP rank holds well under the model's 16 MiB above the tiny run
+    # (a copy per rank, as from_pretrained + DDP's bucketed broadcast made, would be >= 1.0x)
+    assert all(r is not None and r < 0.5 for r in row["loaded_ratio"]), row
+    assert all(r < 4.0 for r in row["ratio"]), row
     # every rank holds the whole frozen base in fp32 under DDP: twice its bf16 bytes
     assert all(abs(v - 2.0) < 1e-3 for v in row["frozen_vs_bf16"]), row
     assert not (tmp_path / "model_fp32").exists()  # removed without --keep
     table = capsys.readouterr().out
     line = next(x for x in table.splitlines() if x.startswith("| ddp |"))
-    assert line.startswith("| ddp | DDP LoRA, fp32 | fp32 |") and line.count("|") == 10, line
+    assert line.startswith("| ddp | DDP LoRA, fp32 | fp32 |") and line.count("|") == 11, line
 
 
 def test_scale_memory_marks_options_this_checkout_lacks():
