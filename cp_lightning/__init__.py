@@ -5,45 +5,13 @@ Public entry points: :func:`build_mesh` (the (dp, cp) device mesh) and :func:`pa
 LoRA run's frozen base in float8 (:mod:`cp_lightning.fp8`).
 """
 
-import importlib
-
-# Public names are imported on first use (PEP 562), so that ``import cp_lightning`` does not import
-# cp_lightning.plan: ``python -m cp_lightning.plan`` (the planner) would otherwise run a second copy of a module
-# already imported, which runpy warns about.
-_EXPORTS = {
-    "CPMismatchError": "cp_lightning.checks",
-    "ContextParallelStrategy": "cp_lightning.strategy",
-    "FP8Linear": "cp_lightning.fp8",
-    "FabricContextParallelStrategy": "cp_lightning.strategy",
-    "Unsplit": "cp_lightning.plan",
-    "build_mesh": "cp_lightning.mesh",
-    "compile_blocks": "cp_lightning.compilation",
-    "fp8_weight_error": "cp_lightning.fp8",
-    "loss_shard": "cp_lightning.parallelize",
-    "parallelize": "cp_lightning.parallelize",
-    "quantize_fp8": "cp_lightning.fp8",
-    "remove": "cp_lightning.parallelize",
-    "to_fp8_base": "cp_lightning.fp8",
-}
-
-
-def __getattr__(name: str):
-    if name in _EXPORTS:
-        value = getattr(importlib.import_module(_EXPORTS[name]), name)
-    else:
-        try:
-            value = importlib.import_module(f"{__name__}.{name}")  # a submodule, as ``cp_lightning.ring``
-        except ModuleNotFoundError as e:
-            if e.name != f"{__name__}.{name}":
-                raise
-            raise AttributeError(f"module {__name__!r} has no attribute {name!r}") from None
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_EXPORTS))
-
+from cp_lightning.checks import CPMismatchError
+from cp_lightning.compilation import compile_blocks
+from cp_lightning.fp8 import FP8Linear, fp8_weight_error, quantize_fp8, to_fp8_base
+from cp_lightning.mesh import build_mesh
+from cp_lightning.parallelize import loss_shard, parallelize, remove
+from cp_lightning.plan import Unsplit
+from cp_lightning.strategy import ContextParallelStrategy, FabricContextParallelStrategy
 
 __all__ = [
     "CPMismatchError",

@@ -484,9 +484,3 @@ def apply_plan(
 def remove_plan(handles: Sequence[RemovableHandle]) -> None:
     for handle in handles:
         handle.remove()
-
-
-if __name__ == "__main__":  # python -m cp_lightning.plan: the layout planner (cp_lightning/planner/)
-    from cp_lightning.planner.cli import main
-
-    raise SystemExit(main())
