@@ -32,6 +32,7 @@ NONFINITE_MODES = ("raise", "skip", "ignore")
 _LOST = ("connection closed", "connection reset", "broken pipe", "socket closed", "connection refused", "eof")
 _TIMED_OUT = ("timed out", "timeout")
 _COLLECTIVE_FILES = ("distributed_c10d.py", "_functional_collectives.py")
+_OWN_COLLECTIVES = (str(Path("cp_lightning") / "collectives.py"),)
 
 
 class NonFiniteError(RuntimeError):
@@ -124,6 +125,10 @@ def _failed_collective(err: BaseException) -> tuple[str, object, str]:
         for frame, _ in reversed(frames):
             file = frame.f_code.co_filename
             if name is None and file.endswith(_COLLECTIVE_FILES) and not frame.f_code.co_name.startswith("_"):
+                name, group = frame.f_code.co_name, frame.f_locals.get("group")
+            if name is None and file.endswith(_OWN_COLLECTIVES):
+                # functional collectives (torch.ops._c10d_functional) fail inside an op call, with no frame of
+                # torch's named collectives: the cp_lightning function that issued it names it instead
                 name, group = frame.f_code.co_name, frame.f_locals.get("group")
             if not where and ("cp_lightning" in file or "lightning" in file) and "faults.py" not in file:
                 module = Path(file).stem
