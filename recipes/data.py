@@ -350,7 +350,7 @@ class EncodedData(L.LightningDataModule):
 
     def _add_memory_estimate(self) -> None:
         """Adds the layout planner's ``est_gib_per_gpu`` for the Trainer's layout to the table."""
-        from recipes.planning import add_estimates, model_spec
+        from recipes.planning import add_estimates, layout_options, model_spec
 
         module = self.trainer.lightning_module if self.trainer is not None else None
         hparams = dict(module.hparams) if module is not None else {}
@@ -361,13 +361,7 @@ class EncodedData(L.LightningDataModule):
             self.tokens,
             world=self.trainer.world_size if self.trainer is not None else 1,
             cp=getattr(strategy, "cp", 1),
-            ring=getattr(strategy, "ring", 1),
-            fsdp=bool(getattr(strategy, "fsdp", False)),
-            hsdp=bool(getattr(getattr(strategy, "fsdp_options", None), "hsdp", False)),
-            checkpointing=bool(hparams.get("gradient_checkpointing", False)),
-            lora_rank=int(hparams.get("lora_rank", 0)),
-            weights_dtype=hparams.get("weights_dtype", "float32"),
-            ema=bool(hparams.get("ema_decay", 0.0)),
+            **layout_options(strategy, hparams),
             batch_size=self.hparams.batch_size,
         )
 

@@ -86,13 +86,7 @@ def memory_check(datamodule, world: int, cp: int):
             datamodule.tokens,
             world=world,
             cp=cp,
-            ring=getattr(strategy, "ring", 1),
-            fsdp=bool(getattr(strategy, "fsdp", False)),
-            hsdp=bool(getattr(getattr(strategy, "fsdp_options", None), "hsdp", False)),
-            checkpointing=bool(h.get("gradient_checkpointing", False)),
-            lora_rank=int(h.get("lora_rank", 0)),
-            weights_dtype=h.get("weights_dtype", "float32"),
-            ema=bool(h.get("ema_decay", 0.0)),
+            **layout_options(strategy, h),
         )
         return probe[0]["est_gib_per_gpu"] <= budget
 
@@ -151,3 +145,17 @@ def dry_run(config, model_class, data_class) -> None:
 class _Bucket:
     def __init__(self, row: dict) -> None:
         self.frames, self.height, self.width = row["frames"], row["height"], row["width"]
+
+
+def layout_options(strategy, hparams: dict) -> dict:
+    """The planner's keyword arguments that the strategy (ring, FSDP/HSDP) and the module's hyperparameters
+    (checkpointing, LoRA, dtype, EMA) fix; ``strategy`` may be None (one process)."""
+    return dict(
+        ring=getattr(strategy, "ring", 1),
+        fsdp=bool(getattr(strategy, "fsdp", False)),
+        hsdp=bool(getattr(getattr(strategy, "fsdp_options", None), "hsdp", False)),
+        checkpointing=bool(hparams.get("gradient_checkpointing", False)),
+        lora_rank=int(hparams.get("lora_rank", 0)),
+        weights_dtype=hparams.get("weights_dtype", "float32"),
+        ema=bool(hparams.get("ema_decay", 0.0)),
+    )
