@@ -32,7 +32,7 @@ def _shapes() -> torch.Tensor:
     """N, 3, 32, 32 in [-1, 1]: the recipes' synthetic shapes (another seed than the training data's)."""
     from PIL import Image
 
-    from recipes.data import make_shapes
+    from recipes.synthetic import make_shapes
 
     with tempfile.TemporaryDirectory() as folder:
         make_shapes(folder, SAMPLES, size=32, seed=1)

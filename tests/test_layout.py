@@ -1,0 +1,93 @@
+"""The code's layering (shared/STYLE.md 13-14): imports only go downward, so no module of
+``cp_lightning/`` or ``recipes/`` imports, directly or through others, a module that imports it.
+
+The import graph is read with ``ast`` (nothing is imported), deferred imports inside functions
+included: a deferred import hides a circle from Python, not from a reader.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def import_graph(root: Path, packages: list[str]) -> dict[str, set[str]]:
+    """Module name -> the package modules it imports (``from pkg import sub`` counts as ``pkg.sub``)."""
+    files = {}
+    for package in packages:
+        for path in (root / package).rglob("*.py"):
+            parts = path.relative_to(root).with_suffix("").parts
+            name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+            files[name] = path
+
+    def resolve(target: str) -> str | None:
+        while target and target not in files:
+            target = target.rpartition(".")[0]
+        return target or None
+
+    graph = {}
+    for name, path in files.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        edges = set()
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if isinstance(node, ast.Import):
+                targets = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                module = node.module or ""
+                if node.level:
+                    base = package.split(".")[: len(package.split(".")) - node.level + 1]
+                    module = ".".join(base + ([module] if module else []))
+                targets = [
+                    f"{module}.{alias.name}" if f"{module}.{alias.name}" in files else module for alias in node.names
+                ]
+            else:
+                continue
+            edges.update(t for t in map(resolve, targets) if t is not None and t != name)
+        graph[name] = edges
+    return graph
+
+
+def circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Each circle once, as the path that closes it (depth-first search, three colours)."""
+    state, stack, found = {}, [], []
+
+    def visit(node: str) -> None:
+        state[node] = "open"
+        stack.append(node)
+        for child in sorted(graph[node]):
+            if state.get(child) == "open":
+                found.append(stack[stack.index(child) :] + [child])
+            elif child not in state:
+                visit(child)
+        stack.pop()
+        state[node] = "done"
+
+    for node in sorted(graph):
+        if node not in state:
+            visit(node)
+    return found
+
+
+@pytest.mark.parametrize("package", ["cp_lightning", "recipes"])
+def test_no_import_circle(package):
+    graph = import_graph(ROOT, [package])
+    assert len(graph) > 10, graph  # the walk found the package's modules
+    found = circles(graph)
+    assert not found, "import circles: " + "; ".join(" -> ".join(c) for c in found)
+
+
+def test_the_walk_sees_a_circle_through_a_deferred_import(tmp_path):
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "__init__.py").write_text("")
+    (tmp_path / "pkg" / "a.py").write_text("from pkg import b\n")
+    (tmp_path / "pkg" / "b.py").write_text("def f():\n    from .c import g\n")
+    (tmp_path / "pkg" / "c.py").write_text("import pkg.a\n")
+    graph = import_graph(tmp_path, ["pkg"])
+    assert graph["pkg.a"] == {"pkg.b"} and graph["pkg.b"] == {"pkg.c"}
+    assert circles(graph) == [["pkg.a", "pkg.b", "pkg.c", "pkg.a"]]
+    (tmp_path / "pkg" / "c.py").write_text("import os\n")
+    assert circles(import_graph(tmp_path, ["pkg"])) == []
