@@ -123,8 +123,11 @@ def _cpu_flash_forward(q, k, v, bias, scale):
 
 
 def _cpu_flash_backward(dout, q, k, v, out, lse, bias, scale):
+    # dout goes in with its own strides: the CPU kernel reads any layout (checked against contiguous
+    # copies for B, S, H, D, transposed, expanded and strided last dims), and the ring calls this once
+    # per block, so a copy here would be one more (B, S, H, D) tensor at the ring's memory peak.
     return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-        dout.contiguous(), q, k, v, out, lse, 0.0, False, attn_mask=_expand_bias(bias, q, k), scale=scale
+        dout, q, k, v, out, lse, 0.0, False, attn_mask=_expand_bias(bias, q, k), scale=scale
     )
 
 

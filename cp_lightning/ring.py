@@ -87,7 +87,7 @@ def merge(out: torch.Tensor | None, lse: torch.Tensor | None, block_out: torch.T
     new_lse = torch.logaddexp(lse, block_lse)
     old_weight = torch.exp(lse - new_lse).nan_to_num_(0.0).unsqueeze(-1)
     block_weight = torch.exp(block_lse - new_lse).nan_to_num_(0.0).unsqueeze(-1)
-    out.mul_(old_weight).add_(block_out * block_weight)
+    out.mul_(old_weight).addcmul_(block_out, block_weight)  # no temporary of the block's size
     return out, new_lse
 
 
@@ -154,12 +154,27 @@ def _ring_forward(q, k, v, bias, group, kernel: Kernel, scale, block_lengths):
     return _as_bshd(out).to(q.dtype), lse.contiguous()
 
 
+def _key_chunks(keys: int) -> list[tuple[int, int]]:
+    """The key ranges one block's backward runs in: the first quarter, then the rest."""
+    return [(0, keys)] if keys < 4 else [(0, keys // 4), (keys // 4, keys)]
+
+
 def _ring_backward(dout, q, k, v, out, lse, bias, group, kernel: Kernel, scale, block_lengths):
-    """Gradients (dq, dk, dv) of :func:`_ring_forward`, from its final output and LSE."""
+    """Gradients (dq, dk, dv) of :func:`_ring_forward`, from its final output and LSE.
+
+    Each block's backward runs in two chunks of its keys, a quarter and the rest (the gradient of a key
+    depends only on the final output and LSE, so chunks are as exact as whole blocks), and each chunk's
+    gradients are added as soon as they exist. The first chunk overlaps the arrival of the block's dK/dV
+    accumulator; once it is in, the accumulator sent on the step before is freed, so the larger chunk
+    runs without two accumulators in flight. The ring's peak memory is in this loop; this lowers it by
+    about two (B, S_local, H, D) fp32 tensors (benchmarks/scaling.py at cp=4: 0.270x -> see
+    docs/benchmarks.md). The price: the accumulator's transfer overlaps a quarter of the block's compute,
+    not all of it.
+    """
     comm = RingComm(group)
     # rows with no unmasked key at all: +inf makes every probability exp(s - inf) = 0
     lse = lse.masked_fill(torch.isneginf(lse), float("inf"))
-    dq = _bshd_layout(q, torch.float32).zero_()
+    dq = None  # fp32, laid out B, S, H, D; the first partial gradient becomes it (no copy in fp32)
     block_k, block_v, block_bias = _wire(k), _wire(v), None if bias is None else bias.contiguous()
     grad_pending = None
     for step in range(comm.world):
@@ -167,19 +182,35 @@ def _ring_backward(dout, q, k, v, out, lse, bias, group, kernel: Kernel, scale, 
         kv_pending = None
         if step + 1 < comm.world:
             kv_pending = _start_blocks(comm, block_k, block_v, block_bias, incoming)
-        dq_block, dk_block, dv_block = kernel.backward(
-            dout, q, block_k.transpose(1, 2), block_v.transpose(1, 2), out, lse, block_bias, scale
-        )
-        dq += dq_block
-        if grad_pending is None:  # accumulators in fp32, laid out B, S, H, D like the blocks
-            dk, dv = _wire(dk_block).float(), _wire(dv_block).float()
-        else:  # this block's accumulators, from the previous rank
-            dk, dv = comm.finish(grad_pending)
-            dk += dk_block.transpose(1, 2)
-            dv += dv_block.transpose(1, 2)
-        del dq_block, dk_block, dv_block
+        for chunk, (lo, hi) in enumerate(_key_chunks(block_k.shape[1])):
+            chunk_bias = None if block_bias is None else block_bias[..., lo:hi]
+            dq_part, dk_part, dv_part = kernel.backward(
+                dout,
+                q,
+                block_k[:, lo:hi].transpose(1, 2),
+                block_v[:, lo:hi].transpose(1, 2),
+                out,
+                lse,
+                chunk_bias,
+                scale,
+            )
+            dq = _as_bshd(dq_part.float()) if dq is None else dq.add_(dq_part)
+            del dq_part
+            if (
+                chunk == 0
+            ):  # this block's accumulators: new (fp32, B, S, H, D like the blocks) or from the previous rank
+                if grad_pending is None:
+                    dk = block_k.new_zeros(block_k.shape, dtype=torch.float32)
+                    dv = block_v.new_zeros(block_v.shape, dtype=torch.float32)
+                else:
+                    dk, dv = comm.finish(grad_pending)
+                    grad_pending = None  # its works held the accumulators sent on: free them
+            dk[:, lo:hi] += dk_part.transpose(1, 2)
+            dv[:, lo:hi] += dv_part.transpose(1, 2)
+            del dk_part, dv_part
         # on to the next rank; the last hop goes home
         grad_pending = comm.start([dk, dv], [DK_TAG, DV_TAG], [_with_length(t, 1, incoming) for t in (dk, dv)])
+        del dk, dv
         if kv_pending is not None:
             block_k, block_v, block_bias = _finish_blocks(comm, kv_pending)
     dk, dv = comm.finish(grad_pending)  # B, S, H, D fp32, received: fresh buffers
