@@ -5,8 +5,8 @@ parameters initialised to zero, such as gates and output layers, given random va
 path carries a gradient), runs forward and backward under context parallelism on ``cp`` gloo CPU
 processes and in one process, and prints a Markdown table of the output error and the CP-summed
 gradient error per mode (Ulysses, ring, USP). Exits 1 when any mode misses the fp32 tolerances
-(outputs 1e-5 absolute, gradients 1e-4 relative unless the case says why fp32 cannot do better) or
-a parameter gets no gradient, 2 on bad usage.
+(outputs 1e-5 absolute; gradients 1e-4 of the larger of the tensor's own gradient and 1e-4 x the
+model's largest gradient, see :func:`grad_errors`) or a parameter gets no gradient, 2 on bad usage.
 
 ``CLASS_OR_CONFIG`` is a tiny case of the library (``wan2.2-ti2v``), a diffusers class name
 (``WanVACETransformer3DModel``: its first case), or a diffusers ``config.json`` (or a folder holding
@@ -154,11 +154,30 @@ def grads(models) -> dict[str, torch.Tensor]:
     return out
 
 
-def rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
-    """max|got - ref| / max|ref| (absolute below 1e-8, where a relative figure means nothing)."""
-    scale = ref.abs().max().item()
+def rel_err(got: torch.Tensor, ref: torch.Tensor, floor: float = 0.0) -> float:
+    """max|got - ref| / max(max|ref|, floor) (absolute where both are below 1e-30: nothing to scale by)."""
+    scale = max(ref.abs().max().item(), floor)
     err = (got - ref).abs().max().item()
-    return err / scale if scale > 1e-8 else err
+    return err / scale if scale > 1e-30 else err
+
+
+# A tensor is judged against the larger of its own gradient and this fraction of its model's largest one
+SCALE_FLOOR = 1e-4
+
+
+def grad_errors(got: Mapping[str, torch.Tensor], ref: Mapping[str, torch.Tensor]) -> dict[str, float]:
+    """Each tensor's gradient error, relative to max(its own max|grad|, SCALE_FLOOR x its model's largest).
+
+    A tensor whose true gradient vanishes by construction holds only rounding noise: a key bias (softmax
+    ignores a shift shared by all keys), the key norms feeding it. Relative to itself that noise can read
+    as 100%; relative to the model's own gradient scale it is what fp32 leaves, like any other tensor's.
+    Names are ``"<model index>.<parameter>"`` (:func:`grads`): each expert is scaled by its own gradients.
+    """
+    largest: dict[str, float] = {}
+    for name, g in ref.items():
+        model = name.split(".", 1)[0]
+        largest[model] = max(largest.get(model, 0.0), g.abs().max().item() if g.numel() else 0.0)
+    return {n: rel_err(got[n], ref[n], SCALE_FLOOR * largest[n.split(".", 1)[0]]) for n in ref}
 
 
 class Reference:
@@ -204,7 +223,7 @@ def run_cp(ref: Reference, mesh, ring: int, *, plan: Mapping | None = None) -> d
     group = cp_groups(mesh, ring).cp if mesh.ndim > 1 else mesh[CP].get_group()
     for g in got.values():
         dist.all_reduce(g, group=group)  # SUM over the CP group must equal the one-process gradient
-    errs = {n: rel_err(got[n], ref.grads[n]) for n in ref.grads}
+    errs = grad_errors(got, ref.grads)
     worst = max(errs, key=errs.get)
     out_err = max((o - r).abs().max().item() for o, r in zip(outs, ref.outs, strict=True))
     return {
@@ -212,12 +231,11 @@ def run_cp(ref: Reference, mesh, ring: int, *, plan: Mapping | None = None) -> d
         "grad_err": errs[worst],
         "worst": worst,
         "silent": ref.silent,
-        "grad_tol": ref.case.grad_tol,
     }
 
 
 def passed(row: Mapping) -> bool:
-    return row["out_err"] <= OUT_TOL and row["grad_err"] <= row.get("grad_tol", GRAD_TOL) and not row["silent"]
+    return row["out_err"] <= OUT_TOL and row["grad_err"] <= GRAD_TOL and not row["silent"]
 
 
 def modes(cp: int, ring: int | None) -> list[tuple[str, int]]:
@@ -306,7 +324,7 @@ def load_attr(ref: str):
 def table(rows: Sequence[Mapping], case: TinyCase, cp: int, tokens: int) -> str:
     lines = [
         f"{case.name} ({case.cls}), cp={cp}, {tokens} tokens, fp32; tolerances: output {OUT_TOL:g}, "
-        f"grad {case.grad_tol:g}",
+        f"grad {GRAD_TOL:g} of max(the tensor's gradient, {SCALE_FLOOR:g} x the model's largest)",
         "",
         "| mode | output max abs err | grad max rel err (CP-summed) | worst parameter | result |",
         "|---|---|---|---|---|",

@@ -12,6 +12,9 @@ Processors come in three kinds:
   :data:`SDPA_PROCESSORS`, whose only cross-token operation is that call, the ``F`` their module sees
   is replaced by a proxy whose ``scaled_dot_product_attention`` runs CP attention while such a module
   is running (and plain SDPA otherwise): the user passes the stock model and keeps its processors.
+* **linear**: a stock linear-attention processor (Sana's, :data:`~cp_lightning.linear_attention.LINEAR_PROCESSORS`)
+  is swapped for a :class:`~cp_lightning.linear_attention.LinearAttentionCP` that all-reduces its key sums
+  over the CP group inside the split region; :func:`unroute_processors` puts the original back.
 * **anything else** is refused by :func:`check_processors` before any communication, unless the plan
   declares the module :class:`~cp_lightning.plan.Unsplit`.
 
@@ -41,6 +44,7 @@ from torch.fx.node import has_side_effect
 from torch.utils.hooks import RemovableHandle
 
 from cp_lightning.attention import ContextParallelAttention
+from cp_lightning.linear_attention import LINEAR_PROCESSORS, LinearAttentionCP
 from cp_lightning.split_table import SplitState
 
 # stock processors that call SDPA directly, by class name -> how their keys relate to their queries:
@@ -51,6 +55,9 @@ SDPA_PROCESSORS = {
     "JointAttnProcessor2_0": "joint",
     "CogVideoXAttnProcessor2_0": "joint",
     "AttnProcessor2_0": "self",
+    # Sana's cross-attention to the text; Sana-Video's processor of that name calls the dispatcher with its
+    # _parallel_config also for cross-attention, which therefore stays local too (see ``Route.cross_local``)
+    "SanaAttnProcessor2_0": "self",
 }
 
 
@@ -59,9 +66,11 @@ class Route:
     """One attention module's routing: its path, processor kind, and whether the current call is CP."""
 
     name: str
-    kind: str  # "dispatch", "joint" or "self"
+    kind: str  # "dispatch", "joint", "self" or "linear"
     config: ContextParallelAttention
     cp: bool = True
+    # a call given encoder_hidden_states (cross-attention to the unsplit text) runs locally
+    cross_local: bool = False
     handles: list[RemovableHandle] = field(default_factory=list)
 
     @property
@@ -128,8 +137,10 @@ def attention_modules(module: nn.Module) -> list[tuple[str, nn.Module]]:
 
 
 def processor_kind(processor) -> str | None:
-    """ "dispatch", the SDPA_PROCESSORS kind, or None for a processor cp_lightning cannot route."""
+    """ "dispatch", the SDPA_PROCESSORS kind, "linear", or None for a processor cp_lightning cannot route."""
     module_globals = sys.modules[type(processor).__module__].__dict__
+    if type(processor).__name__ in LINEAR_PROCESSORS and type(processor).__module__.startswith("diffusers."):
+        return "linear"
     if hasattr(processor, "_parallel_config") and "dispatch_attention_fn" in module_globals:
         return "dispatch"
     kind = SDPA_PROCESSORS.get(type(processor).__name__)
@@ -163,7 +174,8 @@ def check_processors(
                 f'{{"{name}": cp_lightning.Unsplit()}}.'
             )
         heads = getattr(sub, "heads", None)
-        if isinstance(heads, int) and heads < ulysses_degree:
+        # linear attention sends its key state, never heads: any head count suits any degree
+        if processor_kind(processor) != "linear" and isinstance(heads, int) and heads < ulysses_degree:
             raise ValueError(
                 f"{name!r} has {heads} attention heads, fewer than the Ulysses degree {ulysses_degree} (each "
                 f"Ulysses rank attends over at least one head); use cp / ring <= {heads}, e.g. a larger ring "
@@ -267,16 +279,18 @@ def route_processors(
             if not hasattr(dispatch, "__cp_lightning_original__"):
                 module_globals["dispatch_attention_fn"] = _routed_dispatch(dispatch)
             processor._parallel_config = config
-        elif not isinstance(module_globals["F"], _RoutedFunctional):
+        elif kind != "linear" and not isinstance(module_globals["F"], _RoutedFunctional):
             module_globals["F"] = _RoutedFunctional(module_globals["F"])
-        route = Route(name, kind, config)
+        route = Route(name, kind, config, cross_local=SDPA_PROCESSORS.get(type(processor).__name__) == "self")
         _ROUTES[route.key] = route
+        if kind == "linear":
+            sub.processor = LinearAttentionCP(processor, config.groups.cp, lambda: _active()[1])
 
         def enter(module, args, kwargs, route=route):
             record = None if state is None else state.record
             cp = None
             if state is not None and record is not None and not record.closed:  # the forward pass decides
-                cp = state.sharded and not (route.kind == "self" and _has_encoder_states(module, args, kwargs))
+                cp = state.sharded and not (route.cross_local and _has_encoder_states(module, args, kwargs))
             _enter(route.key, cp)
             if torch.compiler.is_compiling():
                 route_enter(route.key, cp)
@@ -299,5 +313,7 @@ def unroute_processors(found: list[tuple[str, nn.Module]], routes: list[Route] =
     for route in routes:
         _ROUTES.pop(route.key, None)
     for _, sub in found:
+        if isinstance(sub.processor, LinearAttentionCP):
+            sub.processor = sub.processor.original
         # Drop the instance attribute so the class default (None: no CP) shows through again.
         sub.processor.__dict__.pop("_parallel_config", None)

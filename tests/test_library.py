@@ -71,7 +71,7 @@ def test_parity(results, case):
     r = results[case]
     assert "error" not in r, r
     assert r["out_err"] <= OUT_TOL, r
-    assert r["grad_err"] <= CASES[case[0]].grad_tol <= GRAD_TOL * 5, r
+    assert r["grad_err"] <= GRAD_TOL, r  # relative to max(the tensor's gradient, 1e-4 x the model's largest)
     assert not r["silent"], f"no gradient reaches {r['silent']}"
 
 
@@ -155,7 +155,7 @@ def test_checker_usage_errors_exit_2(capsys):
     assert main(["wan2.1", "--plan", "no_colon"]) == 2
 
 
-REFUSED = [("HiDreamImageTransformer2DModel", "MoE"), ("SanaTransformer2DModel", "linear")]
+REFUSED = [("HiDreamImageTransformer2DModel", "MoE")]
 
 
 @pytest.mark.parametrize("cls, reason", REFUSED)
@@ -204,5 +204,6 @@ def test_loss_parallel_is_refused_for_plans_whose_last_gather_returns_into_a_blo
             check_loss_parallel(model, resolve_plan(model, plan_for(model)))
         except ValueError as err:
             refused[name] = str(err)
-    assert sorted(refused) == ["helios"], refused
+    # Sana's feed-forward convolves the token grid, so its plan gathers around each attention like Helios's
+    assert sorted(refused) == ["helios", "sana", "sana-video"], refused
     assert "'blocks.0.ffn'" in refused["helios"] and "without loss_parallel" in refused["helios"]

@@ -25,12 +25,4 @@ HIDREAM = PlanEntry(
     ),
 )
 
-_LINEAR = (
-    "its linear attention (ReLU(Q) (ReLU(K)^T V), normalised by ReLU(Q) sum ReLU(K)) sums over every key in "
-    "one product that cp_lightning's softmax attention (Ulysses, ring) does not compute. Train without CP (cp=1)."
-)
-# Sana / Sana-Video: linear attention over the image or video tokens.
-SANA = PlanEntry("SanaTransformer2DModel", None, refuse=_always(_LINEAR))
-SANA_VIDEO = PlanEntry("SanaVideoTransformer3DModel", None, refuse=_always(_LINEAR))
-
-register(HIDREAM, SANA, SANA_VIDEO)
+register(HIDREAM)
