@@ -55,10 +55,15 @@ SDPA_PROCESSORS = {
     "JointAttnProcessor2_0": "joint",
     "CogVideoXAttnProcessor2_0": "joint",
     "AttnProcessor2_0": "self",
-    # Sana's cross-attention to the text; Sana-Video's processor of that name calls the dispatcher with its
-    # _parallel_config also for cross-attention, which therefore stays local too (see ``Route.cross_local``)
-    "SanaAttnProcessor2_0": "self",
+    "SanaAttnProcessor2_0": "self",  # Sana's cross-attention to the text
 }
+
+# dispatch processors that pass their ``_parallel_config`` for cross-attention to unsplit text too; such a
+# call (encoder_hidden_states given) runs locally: every rank holds the whole text, so attending over cp
+# copies of it would give the same result at cp times the key work (see ``Route.cross_local``). Not
+# Kandinsky 5's: its RoPE rounds queries and keys, and in backward their gradients, to bfloat16, which only
+# the copies path keeps within 1e-4 (each rank's text keys get 1/cp of the full gradient, not a partial one)
+CROSS_LOCAL_DISPATCH = ("SanaAttnProcessor2_0",)
 
 
 @dataclass
@@ -281,7 +286,8 @@ def route_processors(
             processor._parallel_config = config
         elif kind != "linear" and not isinstance(module_globals["F"], _RoutedFunctional):
             module_globals["F"] = _RoutedFunctional(module_globals["F"])
-        route = Route(name, kind, config, cross_local=SDPA_PROCESSORS.get(type(processor).__name__) == "self")
+        cross_local = kind == "self" or (kind == "dispatch" and type(processor).__name__ in CROSS_LOCAL_DISPATCH)
+        route = Route(name, kind, config, cross_local=cross_local)
         _ROUTES[route.key] = route
         if kind == "linear":
             sub.processor = LinearAttentionCP(processor, config.groups.cp, lambda: _active()[1])

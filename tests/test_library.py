@@ -146,6 +146,42 @@ def test_checker_fails_a_wrong_plan_with_a_non_zero_exit():
     assert "FAIL" in run.stdout
 
 
+CUSTOM = ["tests.custom_dit:TinyDiT", "--config", "tests/custom_dit.json", "--inputs", "tests.custom_dit:inputs"]
+
+
+def test_checker_passes_a_correct_plan_for_a_model_outside_the_library():
+    run = _check(*CUSTOM, "--plan", "tests.custom_dit:PLAN", "--cp", "2", "--tokens", "9")
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "| ulysses |" in run.stdout and "| ring |" in run.stdout and "FAIL" not in run.stdout
+
+
+@pytest.mark.parametrize("plan, why", [("WRONG_DIM", "shapes"), ("WRONG_GATHER", "crashed")])
+def test_checker_fails_a_wrong_plan_for_a_model_outside_the_library(plan, why):
+    run = _check(*CUSTOM, "--plan", f"tests.custom_dit:{plan}", "--cp", "2", "--tokens", "9")
+    assert run.returncode == 1, run.stdout + run.stderr
+    rows = [line for line in run.stdout.splitlines() if line.startswith("| ulysses") or line.startswith("| ring")]
+    assert len(rows) == 2 and all("FAIL" in row and why in row for row in rows), run.stdout
+
+
+def test_the_custom_model_example_in_the_docs_is_the_tested_one():
+    from pathlib import Path
+
+    import tests.custom_dit as example
+
+    code = Path(example.__file__).read_text().split('"""\n', 2)[2].strip()  # below the module docstring
+    assert code in Path("docs/models.md").read_text()
+
+
+def test_custom_model_usage_errors_exit_2(capsys):
+    from cp_lightning.check import main
+
+    assert main(["tests.custom_dit:TinyDiT", "--config", "tests/custom_dit.json"]) == 2  # no --inputs
+    assert "--inputs module:function" in capsys.readouterr().err
+    assert main([*CUSTOM[:3], "--inputs", "tests.custom_dit:nothing"]) == 2
+    assert main(["tests.custom_dit:inputs", *CUSTOM[1:]]) == 2  # not an nn.Module class
+    assert main(["wan2.1", "--config", "tests/custom_dit.json"]) == 2
+
+
 def test_checker_usage_errors_exit_2(capsys):
     from cp_lightning.check import main
 

@@ -42,8 +42,9 @@ def _text(model, g, batch, text_tokens, dtype):
     # the second sample's last two text tokens are padding: the cross-attention's key mask
     mask = torch.ones(batch, text_tokens)
     mask[1:, -2:] = 0
+    text = (batch, text_tokens, model.config.caption_channels)
     return {
-        "encoder_hidden_states": torch.randn(batch, text_tokens, model.config.caption_channels, generator=g, dtype=dtype),
+        "encoder_hidden_states": torch.randn(text, generator=g, dtype=dtype),
         "encoder_attention_mask": mask.to(dtype),
         "timestep": 1000 * torch.rand(batch, generator=g, dtype=dtype),
     }
