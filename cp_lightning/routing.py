@@ -54,6 +54,7 @@ from cp_lightning.split_table import SplitState
 SDPA_PROCESSORS = {
     "JointAttnProcessor2_0": "joint",
     "CogVideoXAttnProcessor2_0": "joint",
+    "CogView4AttnProcessor": "joint",
     "AttnProcessor2_0": "self",
     "SanaAttnProcessor2_0": "self",  # Sana's cross-attention to the text
 }

@@ -39,10 +39,11 @@ def _run(rank, world):
     from cp_lightning import build_mesh, collectives
     from cp_lightning.check import Reference, grad_errors, run_cp
     from cp_lightning.linear_attention import sana_attention, sana_video_attention
+    from cp_lightning.mesh import CP
     from cp_lightning.models import CASES
 
     mesh = build_mesh(P)
-    group = mesh.get_group()
+    group = mesh[CP].get_group()
     out = {"bytes": {}, "unit": {}, "parity": {}}
     for video in (False, True):
         attn = _attention(video)
