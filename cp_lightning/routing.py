@@ -55,6 +55,7 @@ SDPA_PROCESSORS = {
     "JointAttnProcessor2_0": "joint",
     "CogVideoXAttnProcessor2_0": "joint",
     "CogView4AttnProcessor": "joint",
+    "Lumina2AttnProcessor2_0": "joint",  # self-attention, its keys passed as encoder_hidden_states
     "AttnProcessor2_0": "self",
     "SanaAttnProcessor2_0": "self",  # Sana's cross-attention to the text
 }

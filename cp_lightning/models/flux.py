@@ -9,7 +9,6 @@ the tokens they describe, and the image stream is gathered after ``proj_out``.
 from __future__ import annotations
 
 import torch
-
 from diffusers.models._modeling_parallel import ContextParallelInput as In
 from diffusers.models._modeling_parallel import ContextParallelOutput as Out
 
