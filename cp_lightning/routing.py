@@ -7,6 +7,8 @@ Processors come in three kinds:
   We set a :class:`~cp_lightning.attention.ContextParallelAttention` as that config and wrap the
   dispatcher of the processor's module; a call with ``parallel_config=None`` (Wan's cross-attention to
   unsplit text) passes through.
+  Processors that call the dispatcher without any ``parallel_config`` (:data:`BARE_DISPATCH`, Cosmos) are
+  routed by the attention module they run in: the wrapped dispatcher takes the route's config for them.
 * **sdpa**: the processor calls ``F.scaled_dot_product_attention`` itself (SD3/SD3.5's
   ``JointAttnProcessor2_0``, ``AttnProcessor2_0``, CogVideoX's processor). For the stock processors in
   :data:`SDPA_PROCESSORS`, whose only cross-token operation is that call, the ``F`` their module sees
@@ -67,6 +69,10 @@ SDPA_PROCESSORS = {
 # the copies path keeps within 1e-4 (each rank's text keys get 1/cp of the full gradient, not a partial one)
 CROSS_LOCAL_DISPATCH = ("SanaAttnProcessor2_0",)
 
+# stock processors that call ``dispatch_attention_fn`` with no ``parallel_config`` at all (and whose only
+# cross-token operation is that call); their cross-attention to unsplit text stays local, as for "self"
+BARE_DISPATCH = ("CosmosAttnProcessor2_0",)
+
 
 @dataclass
 class Route:
@@ -78,6 +84,7 @@ class Route:
     cp: bool = True
     # a call given encoder_hidden_states (cross-attention to the unsplit text) runs locally
     cross_local: bool = False
+    bare: bool = False  # a BARE_DISPATCH processor: its dispatcher calls carry no parallel_config
     handles: list[RemovableHandle] = field(default_factory=list)
 
     @property
@@ -148,7 +155,8 @@ def processor_kind(processor) -> str | None:
     module_globals = sys.modules[type(processor).__module__].__dict__
     if type(processor).__name__ in LINEAR_PROCESSORS and type(processor).__module__.startswith("diffusers."):
         return "linear"
-    if hasattr(processor, "_parallel_config") and "dispatch_attention_fn" in module_globals:
+    bare = type(processor).__name__ in BARE_DISPATCH and type(processor).__module__.startswith("diffusers.")
+    if (hasattr(processor, "_parallel_config") or bare) and "dispatch_attention_fn" in module_globals:
         return "dispatch"
     kind = SDPA_PROCESSORS.get(type(processor).__name__)
     if kind is not None and type(processor).__module__.startswith("diffusers.") and "F" in module_globals:
@@ -202,9 +210,11 @@ def _routed_dispatch(original):
     @functools.wraps(original)
     def dispatch_attention_fn(*args, **kwargs):
         config = kwargs.get("parallel_config")
+        route, cp = _active()
+        if config is None and route is not None and route.bare and "parallel_config" not in kwargs:
+            config = route.config
         if not isinstance(config, ContextParallelAttention):
             return original(*args, **kwargs)
-        route, cp = _active()
         if not cp:
             return original(*args, **{**kwargs, "parallel_config": None})
         a = dict(defaults)
@@ -280,16 +290,18 @@ def route_processors(
     for name, sub in found:
         processor = sub.processor
         kind = processor_kind(processor)
+        bare = type(processor).__name__ in BARE_DISPATCH
         module_globals = sys.modules[type(processor).__module__].__dict__
         if kind == "dispatch":
             dispatch = module_globals["dispatch_attention_fn"]
             if not hasattr(dispatch, "__cp_lightning_original__"):
                 module_globals["dispatch_attention_fn"] = _routed_dispatch(dispatch)
-            processor._parallel_config = config
+            if not bare:
+                processor._parallel_config = config
         elif kind != "linear" and not isinstance(module_globals["F"], _RoutedFunctional):
             module_globals["F"] = _RoutedFunctional(module_globals["F"])
-        cross_local = kind == "self" or (kind == "dispatch" and type(processor).__name__ in CROSS_LOCAL_DISPATCH)
-        route = Route(name, kind, config, cross_local=cross_local)
+        cross_local = kind == "self" or bare or type(processor).__name__ in CROSS_LOCAL_DISPATCH
+        route = Route(name, kind, config, cross_local=cross_local, bare=bare)
         _ROUTES[route.key] = route
         if kind == "linear":
             sub.processor = LinearAttentionCP(processor, config.groups.cp, lambda: _active()[1])

@@ -119,7 +119,7 @@ def plan_for(module: nn.Module) -> Mapping:
 # one module per model family; each registers its entries when imported
 FAMILIES = (
     *("wan", "flux", "chroma", "qwenimage", "zimage", "minimax"),
-    *("hunyuan", "sd3", "kandinsky", "ltx", "helios", "sana", "cogview", "lumina", "refused"),
+    *("hunyuan", "sd3", "kandinsky", "ltx", "helios", "sana", "cogview", "lumina", "cosmos", "refused"),
 )
 
 
