@@ -191,7 +191,7 @@ def test_checker_usage_errors_exit_2(capsys):
     assert main(["wan2.1", "--plan", "no_colon"]) == 2
 
 
-REFUSED = [("HiDreamImageTransformer2DModel", "MoE")]
+REFUSED = [("HiDreamImageTransformer2DModel", "MoE"), ("MochiTransformer3DModel", "padded text tokens")]
 
 
 @pytest.mark.parametrize("cls, reason", REFUSED)
