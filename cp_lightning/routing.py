@@ -210,11 +210,12 @@ def _routed_dispatch(original):
     @functools.wraps(original)
     def dispatch_attention_fn(*args, **kwargs):
         config = kwargs.get("parallel_config")
-        route, cp = _active()
-        if config is None and route is not None and route.bare and "parallel_config" not in kwargs:
-            config = route.config
+        if "parallel_config" not in kwargs:  # a BARE_DISPATCH processor's call: its module's route decides
+            route, _ = _active()
+            config = route.config if route is not None and route.bare else None
         if not isinstance(config, ContextParallelAttention):
             return original(*args, **kwargs)
+        route, cp = _active()
         if not cp:
             return original(*args, **{**kwargs, "parallel_config": None})
         a = dict(defaults)
