@@ -246,3 +246,40 @@ def all_to_all(
     Chunks are equal unless ``send`` / ``recv`` give, per rank, the rows sent to / received from it.
     """
     return _AllToAll.apply(x, group, send, recv)
+
+
+class _AllReduceSum(torch.autograd.Function):
+    """Forward: the SUM of ``x`` over ``group``, on every rank. Backward: the SUM of the gradients over ``group``.
+
+    Why the backward is an all-reduce too: forward computes ``y = sum_p x_p`` and hands the same ``y`` to
+    every rank, which uses it with its own shard (linear attention: its own queries). Rank p's incoming
+    gradient ``g_p`` is therefore only the part of dL/dy that flows through rank p's use of ``y``, and the
+    full dL/dy is ``sum_p g_p``. Since ``dy/dx_p`` is the identity for every p, the gradient of each rank's
+    own ``x_p`` is that full dL/dy: the all-reduce of the incoming gradients. (Returning ``g_p`` alone would
+    drop the other ranks' queries' dependence on this rank's keys.) This keeps the CP convention: the
+    gradient of everything upstream of ``x_p`` on rank p is its own shard's contribution.
+    """
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup):
+        ctx.group = group
+        return _all_reduce(x, group)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return _all_reduce(grad, ctx.group), None
+
+
+def _all_reduce(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    x = x.contiguous()
+    world = dist.get_world_size(group)
+    # what a ring all-reduce sends: a reduce-scatter and an all-gather, each (P-1)/P of the tensor
+    record_sent("all_reduce", 2 * x.numel() * x.element_size() * (world - 1) // world)
+    # functional, as in _all_to_all: a result selective checkpointing can keep, a fresh tensor (x is untouched)
+    out = torch.ops._c10d_functional.all_reduce(x, "sum", group.group_name)
+    return torch.ops._c10d_functional.wait_tensor(out)
+
+
+def all_reduce_sum(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """The SUM of ``x`` over the ranks of ``group`` (differentiable; see ``_AllReduceSum`` for the backward)."""
+    return _AllReduceSum.apply(x, group)

@@ -7,11 +7,16 @@ Processors come in three kinds:
   We set a :class:`~cp_lightning.attention.ContextParallelAttention` as that config and wrap the
   dispatcher of the processor's module; a call with ``parallel_config=None`` (Wan's cross-attention to
   unsplit text) passes through.
+  Processors that call the dispatcher without any ``parallel_config`` (:data:`BARE_DISPATCH`, Cosmos) are
+  routed by the attention module they run in: the wrapped dispatcher takes the route's config for them.
 * **sdpa**: the processor calls ``F.scaled_dot_product_attention`` itself (SD3/SD3.5's
   ``JointAttnProcessor2_0``, ``AttnProcessor2_0``, CogVideoX's processor). For the stock processors in
   :data:`SDPA_PROCESSORS`, whose only cross-token operation is that call, the ``F`` their module sees
   is replaced by a proxy whose ``scaled_dot_product_attention`` runs CP attention while such a module
   is running (and plain SDPA otherwise): the user passes the stock model and keeps its processors.
+* **linear**: a stock linear-attention processor (Sana's, :data:`~cp_lightning.linear_attention.LINEAR_PROCESSORS`)
+  is swapped for a :class:`~cp_lightning.linear_attention.LinearAttentionCP` that all-reduces its key sums
+  over the CP group inside the split region; :func:`unroute_processors` puts the original back.
 * **anything else** is refused by :func:`check_processors` before any communication, unless the plan
   declares the module :class:`~cp_lightning.plan.Unsplit`.
 
@@ -41,6 +46,7 @@ from torch.fx.node import has_side_effect
 from torch.utils.hooks import RemovableHandle
 
 from cp_lightning.attention import ContextParallelAttention
+from cp_lightning.linear_attention import LINEAR_PROCESSORS, LinearAttentionCP
 from cp_lightning.split_table import SplitState
 
 # stock processors that call SDPA directly, by class name -> how their keys relate to their queries:
@@ -50,8 +56,22 @@ from cp_lightning.split_table import SplitState
 SDPA_PROCESSORS = {
     "JointAttnProcessor2_0": "joint",
     "CogVideoXAttnProcessor2_0": "joint",
+    "CogView4AttnProcessor": "joint",
+    "Lumina2AttnProcessor2_0": "joint",  # self-attention, its keys passed as encoder_hidden_states
     "AttnProcessor2_0": "self",
+    "SanaAttnProcessor2_0": "self",  # Sana's cross-attention to the text
 }
+
+# dispatch processors that pass their ``_parallel_config`` for cross-attention to unsplit text too; such a
+# call (encoder_hidden_states given) runs locally: every rank holds the whole text, so attending over cp
+# copies of it would give the same result at cp times the key work (see ``Route.cross_local``). Not
+# Kandinsky 5's: its RoPE rounds queries and keys, and in backward their gradients, to bfloat16, which only
+# the copies path keeps within 1e-4 (each rank's text keys get 1/cp of the full gradient, not a partial one)
+CROSS_LOCAL_DISPATCH = ("SanaAttnProcessor2_0",)
+
+# stock processors that call ``dispatch_attention_fn`` with no ``parallel_config`` at all (and whose only
+# cross-token operation is that call); their cross-attention to unsplit text stays local, as for "self"
+BARE_DISPATCH = ("CosmosAttnProcessor2_0",)
 
 
 @dataclass
@@ -59,9 +79,12 @@ class Route:
     """One attention module's routing: its path, processor kind, and whether the current call is CP."""
 
     name: str
-    kind: str  # "dispatch", "joint" or "self"
+    kind: str  # "dispatch", "joint", "self" or "linear"
     config: ContextParallelAttention
     cp: bool = True
+    # a call given encoder_hidden_states (cross-attention to the unsplit text) runs locally
+    cross_local: bool = False
+    bare: bool = False  # a BARE_DISPATCH processor: its dispatcher calls carry no parallel_config
     handles: list[RemovableHandle] = field(default_factory=list)
 
     @property
@@ -128,9 +151,12 @@ def attention_modules(module: nn.Module) -> list[tuple[str, nn.Module]]:
 
 
 def processor_kind(processor) -> str | None:
-    """ "dispatch", the SDPA_PROCESSORS kind, or None for a processor cp_lightning cannot route."""
+    """ "dispatch", the SDPA_PROCESSORS kind, "linear", or None for a processor cp_lightning cannot route."""
     module_globals = sys.modules[type(processor).__module__].__dict__
-    if hasattr(processor, "_parallel_config") and "dispatch_attention_fn" in module_globals:
+    if type(processor).__name__ in LINEAR_PROCESSORS and type(processor).__module__.startswith("diffusers."):
+        return "linear"
+    bare = type(processor).__name__ in BARE_DISPATCH and type(processor).__module__.startswith("diffusers.")
+    if (hasattr(processor, "_parallel_config") or bare) and "dispatch_attention_fn" in module_globals:
         return "dispatch"
     kind = SDPA_PROCESSORS.get(type(processor).__name__)
     if kind is not None and type(processor).__module__.startswith("diffusers.") and "F" in module_globals:
@@ -163,7 +189,8 @@ def check_processors(
                 f'{{"{name}": cp_lightning.Unsplit()}}.'
             )
         heads = getattr(sub, "heads", None)
-        if isinstance(heads, int) and heads < ulysses_degree:
+        # linear attention sends its key state, never heads: any head count suits any degree
+        if processor_kind(processor) != "linear" and isinstance(heads, int) and heads < ulysses_degree:
             raise ValueError(
                 f"{name!r} has {heads} attention heads, fewer than the Ulysses degree {ulysses_degree} (each "
                 f"Ulysses rank attends over at least one head); use cp / ring <= {heads}, e.g. a larger ring "
@@ -183,6 +210,9 @@ def _routed_dispatch(original):
     @functools.wraps(original)
     def dispatch_attention_fn(*args, **kwargs):
         config = kwargs.get("parallel_config")
+        if "parallel_config" not in kwargs:  # a BARE_DISPATCH processor's call: its module's route decides
+            route, _ = _active()
+            config = route.config if route is not None and route.bare else None
         if not isinstance(config, ContextParallelAttention):
             return original(*args, **kwargs)
         route, cp = _active()
@@ -261,22 +291,27 @@ def route_processors(
     for name, sub in found:
         processor = sub.processor
         kind = processor_kind(processor)
+        bare = type(processor).__name__ in BARE_DISPATCH
         module_globals = sys.modules[type(processor).__module__].__dict__
         if kind == "dispatch":
             dispatch = module_globals["dispatch_attention_fn"]
             if not hasattr(dispatch, "__cp_lightning_original__"):
                 module_globals["dispatch_attention_fn"] = _routed_dispatch(dispatch)
-            processor._parallel_config = config
-        elif not isinstance(module_globals["F"], _RoutedFunctional):
+            if not bare:
+                processor._parallel_config = config
+        elif kind != "linear" and not isinstance(module_globals["F"], _RoutedFunctional):
             module_globals["F"] = _RoutedFunctional(module_globals["F"])
-        route = Route(name, kind, config)
+        cross_local = kind == "self" or bare or type(processor).__name__ in CROSS_LOCAL_DISPATCH
+        route = Route(name, kind, config, cross_local=cross_local, bare=bare)
         _ROUTES[route.key] = route
+        if kind == "linear":
+            sub.processor = LinearAttentionCP(processor, config.groups.cp, lambda: _active()[1])
 
         def enter(module, args, kwargs, route=route):
             record = None if state is None else state.record
             cp = None
             if state is not None and record is not None and not record.closed:  # the forward pass decides
-                cp = state.sharded and not (route.kind == "self" and _has_encoder_states(module, args, kwargs))
+                cp = state.sharded and not (route.cross_local and _has_encoder_states(module, args, kwargs))
             _enter(route.key, cp)
             if torch.compiler.is_compiling():
                 route_enter(route.key, cp)
@@ -299,5 +334,7 @@ def unroute_processors(found: list[tuple[str, nn.Module]], routes: list[Route] =
     for route in routes:
         _ROUTES.pop(route.key, None)
     for _, sub in found:
+        if isinstance(sub.processor, LinearAttentionCP):
+            sub.processor = sub.processor.original
         # Drop the instance attribute so the class default (None: no CP) shows through again.
         sub.processor.__dict__.pop("_parallel_config", None)

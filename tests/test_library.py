@@ -71,7 +71,7 @@ def test_parity(results, case):
     r = results[case]
     assert "error" not in r, r
     assert r["out_err"] <= OUT_TOL, r
-    assert r["grad_err"] <= CASES[case[0]].grad_tol <= GRAD_TOL * 5, r
+    assert r["grad_err"] <= GRAD_TOL, r  # relative to max(the tensor's gradient, 1e-4 x the model's largest)
     assert not r["silent"], f"no gradient reaches {r['silent']}"
 
 
@@ -146,6 +146,42 @@ def test_checker_fails_a_wrong_plan_with_a_non_zero_exit():
     assert "FAIL" in run.stdout
 
 
+CUSTOM = ["tests.custom_dit:TinyDiT", "--config", "tests/custom_dit.json", "--inputs", "tests.custom_dit:inputs"]
+
+
+def test_checker_passes_a_correct_plan_for_a_model_outside_the_library():
+    run = _check(*CUSTOM, "--plan", "tests.custom_dit:PLAN", "--cp", "2", "--tokens", "9")
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "| ulysses |" in run.stdout and "| ring |" in run.stdout and "FAIL" not in run.stdout
+
+
+@pytest.mark.parametrize("plan, why", [("WRONG_DIM", "shapes"), ("WRONG_GATHER", "crashed")])
+def test_checker_fails_a_wrong_plan_for_a_model_outside_the_library(plan, why):
+    run = _check(*CUSTOM, "--plan", f"tests.custom_dit:{plan}", "--cp", "2", "--tokens", "9")
+    assert run.returncode == 1, run.stdout + run.stderr
+    rows = [line for line in run.stdout.splitlines() if line.startswith("| ulysses") or line.startswith("| ring")]
+    assert len(rows) == 2 and all("FAIL" in row and why in row for row in rows), run.stdout
+
+
+def test_the_custom_model_example_in_the_docs_is_the_tested_one():
+    from pathlib import Path
+
+    import tests.custom_dit as example
+
+    code = Path(example.__file__).read_text().split('"""\n', 2)[2].strip()  # below the module docstring
+    assert code in Path("docs/models.md").read_text()
+
+
+def test_custom_model_usage_errors_exit_2(capsys):
+    from cp_lightning.check import main
+
+    assert main(["tests.custom_dit:TinyDiT", "--config", "tests/custom_dit.json"]) == 2  # no --inputs
+    assert "--inputs module:function" in capsys.readouterr().err
+    assert main([*CUSTOM[:3], "--inputs", "tests.custom_dit:nothing"]) == 2
+    assert main(["tests.custom_dit:inputs", *CUSTOM[1:]]) == 2  # not an nn.Module class
+    assert main(["wan2.1", "--config", "tests/custom_dit.json"]) == 2
+
+
 def test_checker_usage_errors_exit_2(capsys):
     from cp_lightning.check import main
 
@@ -155,7 +191,7 @@ def test_checker_usage_errors_exit_2(capsys):
     assert main(["wan2.1", "--plan", "no_colon"]) == 2
 
 
-REFUSED = [("HiDreamImageTransformer2DModel", "MoE"), ("SanaTransformer2DModel", "linear")]
+REFUSED = [("HiDreamImageTransformer2DModel", "MoE"), ("MochiTransformer3DModel", "padded text tokens")]
 
 
 @pytest.mark.parametrize("cls, reason", REFUSED)
@@ -204,5 +240,6 @@ def test_loss_parallel_is_refused_for_plans_whose_last_gather_returns_into_a_blo
             check_loss_parallel(model, resolve_plan(model, plan_for(model)))
         except ValueError as err:
             refused[name] = str(err)
-    assert sorted(refused) == ["helios"], refused
+    # Sana's feed-forward convolves the token grid, so its plan gathers around each attention like Helios's
+    assert sorted(refused) == ["helios", "sana", "sana-video"], refused
     assert "'blocks.0.ffn'" in refused["helios"] and "without loss_parallel" in refused["helios"]

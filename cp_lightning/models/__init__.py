@@ -72,8 +72,6 @@ class TinyCase:
     experts: int = 1
     unused: tuple[str, ...] = ()
     text_tokens: int = 7
-    # the CP-summed gradient tolerance (relative): 1e-4 unless the case's entry says why fp32 cannot do better
-    grad_tol: float = 1e-4
     note: str = ""
 
 
@@ -121,7 +119,7 @@ def plan_for(module: nn.Module) -> Mapping:
 # one module per model family; each registers its entries when imported
 FAMILIES = (
     *("wan", "flux", "chroma", "qwenimage", "zimage", "minimax"),
-    *("hunyuan", "sd3", "kandinsky", "ltx", "helios", "refused"),
+    *("hunyuan", "sd3", "kandinsky", "ltx", "helios", "sana", "cogview", "lumina", "cosmos", "refused"),
 )
 
 

@@ -1,4 +1,4 @@
-"""Flux-architecture image transformers: Flux.1 (and Kontext), Flux.2 and Chroma.
+"""Flux-architecture image transformers: Flux.1 (and Kontext), Flux.2, Bria and Chroma (chroma.py).
 
 Text and image tokens form one joint sequence in every block (double-stream blocks concatenate them
 inside attention, single-stream blocks outright), and all layers outside attention are per token. So
@@ -9,6 +9,8 @@ the tokens they describe, and the image stream is gathered after ``proj_out``.
 from __future__ import annotations
 
 import torch
+from diffusers.models._modeling_parallel import ContextParallelInput as In
+from diffusers.models._modeling_parallel import ContextParallelOutput as Out
 
 from cp_lightning.models import DIFFUSERS, PlanEntry, TinyCase, register
 from cp_lightning.tiny import _factor, _flux_inputs
@@ -19,6 +21,28 @@ FLUX = PlanEntry("FluxTransformer2DModel", DIFFUSERS)
 
 # Flux.2's own plan, the same shape with batched (B, S, 4) ids; right for training as it is.
 FLUX2 = PlanEntry("Flux2Transformer2DModel", DIFFUSERS)
+
+# Bria 3.x: Flux.1's layout without pooled text or guidance, and no diffusers plan; Flux.1's plan fits it as
+# it is. Its forward takes (S, 3) ids (a (B, S, 3) id tensor is cut to its first sample there, so the plan
+# asks for the 2-d form, which names the same positions).
+BRIA = PlanEntry(
+    "BriaTransformer2DModel",
+    {
+        "": {
+            "hidden_states": In(split_dim=1, expected_dims=3),
+            "encoder_hidden_states": In(split_dim=1, expected_dims=3),
+            "img_ids": In(split_dim=0, expected_dims=2),
+            "txt_ids": In(split_dim=0, expected_dims=2),
+        },
+        "proj_out": Out(gather_dim=1, expected_dims=3),
+    },
+)
+
+
+def _bria_inputs(model, g, batch, tokens, text_tokens, dtype):
+    inputs = _flux_inputs(model, g, batch, tokens, text_tokens, dtype)
+    del inputs["pooled_projections"]  # Bria has no pooled text embedding
+    return inputs
 
 
 def _flux2_inputs(model, g, batch, tokens, text_tokens, dtype):
@@ -42,6 +66,7 @@ def _flux2_inputs(model, g, batch, tokens, text_tokens, dtype):
 register(
     FLUX,
     FLUX2,
+    BRIA,
     TinyCase(
         "flux",
         "FluxTransformer2DModel",
@@ -73,5 +98,20 @@ register(
             axes_dims_rope=(4, 4, 4, 4),
         ),
         _flux2_inputs,
+    ),
+    TinyCase(
+        "bria",
+        "BriaTransformer2DModel",
+        dict(
+            patch_size=1,
+            in_channels=16,
+            num_layers=1,
+            num_single_layers=1,
+            attention_head_dim=16,
+            num_attention_heads=4,
+            joint_attention_dim=32,
+            axes_dims_rope=(4, 6, 6),
+        ),
+        _bria_inputs,
     ),
 )

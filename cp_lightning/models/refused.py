@@ -25,12 +25,18 @@ HIDREAM = PlanEntry(
     ),
 )
 
-_LINEAR = (
-    "its linear attention (ReLU(Q) (ReLU(K)^T V), normalised by ReLU(Q) sum ReLU(K)) sums over every key in "
-    "one product that cp_lightning's softmax attention (Ulysses, ring) does not compute. Train without CP (cp=1)."
+# Mochi: its processor drops each sample's padded text tokens and runs SDPA once per sample over [image,
+# valid text]. Under CP each rank's count of valid text tokens comes from the mask, not from a split the
+# plan records, so the peers' key lengths cannot be known (the ring and Ulysses exchanges need them).
+# Exact in principle (as [image, text] attention with the padded text keys masked out), not routed yet.
+MOCHI = PlanEntry(
+    "MochiTransformer3DModel",
+    None,
+    refuse=_always(
+        "its attention processor (MochiAttnProcessor2_0) removes each sample's padded text tokens and calls SDPA "
+        "once per sample on [image, valid text], so the CP ranks' key lengths depend on the text mask and are "
+        "not known to cp_lightning; train without CP (cp=1) until its processor is routed."
+    ),
 )
-# Sana / Sana-Video: linear attention over the image or video tokens.
-SANA = PlanEntry("SanaTransformer2DModel", None, refuse=_always(_LINEAR))
-SANA_VIDEO = PlanEntry("SanaVideoTransformer3DModel", None, refuse=_always(_LINEAR))
 
-register(HIDREAM, SANA, SANA_VIDEO)
+register(HIDREAM, MOCHI)

@@ -1,0 +1,73 @@
+"""Lumina-Image 2.0: a single-stream transformer over one joint sequence of caption and image tokens.
+
+Like Z-Image: the caption tokens (context refiner) and image tokens (noise refiner) are refined apart, whole
+on every rank, then packed per sample into the joint sequence [caption_i, image, padding] that the main
+``layers`` run on. Every main layer reads three per-token tensors from ``forward``: the sequence (split once,
+at ``layers.0``, then it flows sharded), its RoPE table (B, S, D/2, complex) and, when the samples' caption
+lengths differ, its key-padding mask (B, S) (both split at each layer, which each get the root's full
+tensor). ``norm_out`` is per token, so its output is gathered before ``forward`` cuts each sample's image
+tokens out of the joint sequence. The stock ``Lumina2AttnProcessor2_0`` calls SDPA directly (after
+repeating its grouped key/value heads): ``parallelize`` routes it; the refiners run locally.
+"""
+
+from __future__ import annotations
+
+import torch
+from diffusers.models._modeling_parallel import ContextParallelInput as In
+from diffusers.models._modeling_parallel import ContextParallelOutput as Out
+
+from cp_lightning.models import PlanEntry, TinyCase, register
+from cp_lightning.tiny import _factor
+
+LUMINA2 = PlanEntry(
+    "Lumina2Transformer2DModel",
+    {
+        "layers.0": {"hidden_states": In(split_dim=1, expected_dims=3)},
+        "layers.*": {
+            "attention_mask": In(split_dim=1, expected_dims=2),
+            "image_rotary_emb": In(split_dim=1, expected_dims=3),
+        },
+        "norm_out": Out(gather_dim=1, expected_dims=3),
+    },
+    needs="CP-aware processors for SDPA-direct processors (Lumina2AttnProcessor2_0)",
+)
+
+
+def _inputs(model, g, batch, tokens, text_tokens, dtype):
+    cfg = model.config
+    h, p = _factor(tokens), cfg.patch_size
+    # caption i ends in i + 1 padding tokens: joint lengths differ per sample (a key mask), the longest is odd
+    mask = torch.ones(batch, text_tokens, dtype=torch.bool)
+    for i in range(batch):
+        mask[i, text_tokens - 1 - i :] = False
+    return {
+        "hidden_states": torch.randn(batch, cfg.in_channels, p * h, p * (tokens // h), generator=g, dtype=dtype),
+        "timestep": torch.rand(batch, generator=g, dtype=dtype),
+        "encoder_hidden_states": torch.randn(batch, text_tokens, cfg.cap_feat_dim, generator=g, dtype=dtype),
+        "encoder_attention_mask": mask,
+    }
+
+
+register(
+    LUMINA2,
+    TinyCase(
+        "lumina2",
+        "Lumina2Transformer2DModel",
+        dict(
+            sample_size=16,
+            patch_size=2,
+            in_channels=4,
+            hidden_size=32,
+            num_layers=2,
+            num_refiner_layers=1,
+            num_attention_heads=4,
+            num_kv_heads=2,  # grouped-query attention, repeated by the processor
+            multiple_of=16,
+            axes_dim_rope=(2, 2, 4),
+            axes_lens=(64, 32, 32),
+            cap_feat_dim=16,
+        ),
+        _inputs,
+        note="joint caption + image sequence, per-sample caption lengths, GQA",
+    ),
+)
