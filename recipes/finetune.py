@@ -231,6 +231,13 @@ class FlowMatchingFineTune(L.LightningModule):
             max_t=h.max_timestep,
         )
 
+    def draws(self, x0: torch.Tensor, batch: dict):
+        """(noise, t) for a batch: the batch's own fixed ones (the validation loss, recipes/validation.py), else
+        drawn per sample by ``noise_and_t``."""
+        if "noise" in batch:
+            return batch["noise"], batch["t"]
+        return self.noise_and_t(x0, batch["index"])
+
     def predict(self, batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(model output, flow-matching target, t per sample) for a batch."""
         raise NotImplementedError
@@ -308,20 +315,22 @@ class RecipeCLI(LightningCLI):
     """LightningCLI plus the recipe's own sections, all writing under one ``out_dir``:
 
     ``samples`` (validation samples, :mod:`recipes.sampling`), ``checkpoint`` (light checkpoints,
-    :mod:`recipes.checkpoints`), ``export`` (the final LoRA, ``--export.format comfyui``) and
-    ``loss_curve``. It checks the schedule against the run's length before any process starts.
+    :mod:`recipes.checkpoints`), ``export`` (the final LoRA, ``--export.format comfyui``), ``validation``
+    (the held-out ``val_loss``, :mod:`recipes.validation`) and ``loss_curve``. It checks the schedule against the run's length before any process starts.
     """
 
     def add_arguments_to_parser(self, parser) -> None:
         from recipes.callbacks import Export, LossCurve
         from recipes.checkpoints import LightCheckpoint
         from recipes.sampling import SAMPLERS
+        from recipes.validation import Validation
 
         parser.add_argument("--out_dir", type=str, default="outputs/run", help="the run's folder")
         sections = {
             "samples": SAMPLERS[self.model_class.family],
             "checkpoint": LightCheckpoint,
             "export": Export,
+            "validation": Validation,  # before loss_curve: its last val_loss is drawn in loss.png
             "loss_curve": LossCurve,
         }
         for key, callback in sections.items():
