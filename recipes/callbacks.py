@@ -1,4 +1,4 @@
-"""Recipe callbacks: the loss curve (CSV and PNG, with the held-out val_loss), and the trained weights with sample images."""
+"""Recipe callbacks: the loss curve (CSV and PNG, with the held-out val_loss), the trained weights."""
 
 from __future__ import annotations
 

@@ -316,7 +316,8 @@ class RecipeCLI(LightningCLI):
 
     ``samples`` (validation samples, :mod:`recipes.sampling`), ``checkpoint`` (light checkpoints,
     :mod:`recipes.checkpoints`), ``export`` (the final LoRA, ``--export.format comfyui``), ``validation``
-    (the held-out ``val_loss``, :mod:`recipes.validation`) and ``loss_curve``. It checks the schedule against the run's length before any process starts.
+    (the held-out ``val_loss``, :mod:`recipes.validation`) and ``loss_curve``. It checks the schedule against
+    the run's length before any process starts.
     """
 
     def add_arguments_to_parser(self, parser) -> None:
@@ -340,7 +341,10 @@ class RecipeCLI(LightningCLI):
     def before_instantiate_classes(self) -> None:
         # the dry run plans on the CPU from the YAML alone: no Trainer (whose CUDA accelerator a CPU machine
         # refuses), no processes (recipes/planning.py)
+        from recipes.loggers import check_logger_packages
+
         config = self.config[self.subcommand] if self.subcommand else self.config
+        check_logger_packages(config["trainer"].get("logger"))
         if config["data"].get("dry_run"):
             from recipes.planning import dry_run
 
