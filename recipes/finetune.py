@@ -22,24 +22,44 @@ from recipes.console import quiet
 quiet()
 
 
-def prepare_for_training(
-    transformer, lora_rank: int, targets: list[str], seed: int, checkpointing: bool, base_dtype: str | None = None
-):
-    """Add a LoRA adapter (``lora_rank > 0``, base frozen, optionally stored in float8: ``base_dtype``) with a
-    layout-independent init; trainable weights in fp32; optional gradient checkpointing. ``transformer`` may be
-    on the meta device (cp_lightning.loading.empty_model): its fp8 weights are then quantized and its LoRA
-    initialised when its weights load."""
-    if lora_rank:
-        from peft import LoraConfig
+LORA_TYPES = ("lora", "dora", "lokr")
 
+
+def adapter_config(lora_type: str, rank: int, targets: list[str]):
+    """peft's config for ``lora_type``: LoRA, DoRA (LoRA with a learned magnitude per output row, peft's
+    ``use_dora``) or LoKr (a Kronecker-product update, peft's ``LoKrConfig``); alpha = rank (scale 1)."""
+    from peft import LoKrConfig, LoraConfig
+
+    if lora_type not in LORA_TYPES:
+        raise ValueError(f"model.lora_type must be one of {LORA_TYPES}, got {lora_type!r}.")
+    if lora_type == "lokr":
+        return LoKrConfig(r=rank, alpha=rank, target_modules=targets)
+    return LoraConfig(
+        r=rank, lora_alpha=rank, init_lora_weights="gaussian", target_modules=targets, use_dora=lora_type == "dora"
+    )
+
+
+def prepare_for_training(
+    transformer,
+    lora_rank: int,
+    targets: list[str],
+    seed: int,
+    checkpointing: bool,
+    base_dtype: str | None = None,
+    lora_type: str = "lora",
+):
+    """Add a LoRA adapter (``lora_rank > 0``, base frozen, optionally stored in float8: ``base_dtype``; a DoRA or
+    LoKr one with ``lora_type``) with a layout-independent init; trainable weights in fp32; optional gradient
+    checkpointing. ``transformer`` may be on the meta device (cp_lightning.loading.empty_model): its fp8 weights
+    are then quantized and its adapter initialised when its weights load."""
+    if lora_rank:
+        config = adapter_config(lora_type, lora_rank, targets)
         transformer.requires_grad_(False)
         if base_dtype is not None:  # the frozen linears to float8 before PEFT wraps them
             transformer = to_fp8_base(transformer, dtype=getattr(torch, base_dtype))
         with torch.random.fork_rng():  # the same adapter init at every layout
             torch.manual_seed(seed)
-            transformer.add_adapter(
-                LoraConfig(r=lora_rank, lora_alpha=lora_rank, init_lora_weights="gaussian", target_modules=targets)
-            )
+            transformer.add_adapter(config)
         # seeded by (seed, layer name): the same values built eagerly or on the meta device and sharded
         loading.init_lora(transformer, seed)
     for p in transformer.parameters():
@@ -83,6 +103,9 @@ class FlowMatchingFineTune(L.LightningModule):
         pretrained: ``tiny`` (the embedded tiny model) or a checkpoint path / hub id.
         cache_dir: where the tiny pipeline is built.
         lora_rank: LoRA rank; 0 fine-tunes every weight.
+        lora_type: ``lora``, ``dora`` (weight-decomposed LoRA) or ``lokr`` (Kronecker product), through peft.
+            Exports: LoRA in the diffusers, ComfyUI and peft formats; DoRA in the diffusers and peft formats;
+            LoKr in the peft format (recipes/lora.py says why).
         lora_targets: module names LoRA adapts (peft's ``target_modules``); by default the family's attention
             projections.
         learning_rate: AdamW peak learning rate.
@@ -117,6 +140,7 @@ class FlowMatchingFineTune(L.LightningModule):
         *,
         cache_dir: str = "outputs/cache",
         lora_rank: int = 4,
+        lora_type: str = "lora",
         lora_targets: list[str] | None = None,
         learning_rate: float = 1e-3,
         lr_scheduler: str = "constant",
@@ -150,6 +174,13 @@ class FlowMatchingFineTune(L.LightningModule):
             )
         if lora_rank < 0:
             raise ValueError(f"lora_rank must be >= 0 (0: full fine-tuning), got {lora_rank}.")
+        if lora_type not in LORA_TYPES:
+            raise ValueError(f"model.lora_type must be one of {LORA_TYPES}, got {lora_type!r}.")
+        if lora_type == "dora" and base_dtype is not None:
+            raise ValueError(
+                f"model.lora_type=dora normalises the adapted weight by its row norms, which a float8 base "
+                f"(base_dtype={base_dtype!r}) does not hold unscaled: drop base_dtype, or use lora_type lora or lokr."
+            )
         if base_dtype is not None:
             if getattr(torch, str(base_dtype), None) not in FP8_DTYPES:
                 names = [str(d).removeprefix("torch.") for d in FP8_DTYPES]
@@ -186,7 +217,7 @@ class FlowMatchingFineTune(L.LightningModule):
             )
         targets = list(h.lora_targets or self.lora_targets)
         self.transformer = prepare_for_training(
-            transformer, h.lora_rank, targets, h.seed, h.gradient_checkpointing, h.base_dtype
+            transformer, h.lora_rank, targets, h.seed, h.gradient_checkpointing, h.base_dtype, h.lora_type
         )
         if h.activation_offload:
             offload.apply_activation_offload(self.transformer)
@@ -361,6 +392,8 @@ class RecipeCLI(LightningCLI):
         for section in ("export", "checkpoint"):
             key = "format" if section == "export" else "export_format"
             fmt = self.config[self.subcommand][section][key]
+            if h.lora_rank:
+                lora.check_format(h.lora_type, fmt, where=f"{section}.{key}")
             if fmt == "comfyui" and family not in lora.COMFYUI_FAMILIES:
                 raise ValueError(
                     f"{section}.{key}=comfyui: there is no ComfyUI LoRA layout for the {family} recipe (only for "
