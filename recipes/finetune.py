@@ -323,7 +323,16 @@ class FlowMatchingFineTune(L.LightningModule):
         check_identity(checkpoint.get("recipe"), self.checkpoint_identity(), checkpoint.get("state_dict"))
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
+        from recipes.checkpoints import schedule_change
+
         self.check_checkpoint(checkpoint)  # (again, for strategies that do not call it first)
+        message = schedule_change(
+            (checkpoint.get("recipe") or {}).get("schedule"), self.checkpoint_identity()["schedule"]
+        )
+        if message:
+            from lightning.pytorch.utilities import rank_zero_warn
+
+            rank_zero_warn(message)
         if self.ema is not None and "ema" in checkpoint:
             self.ema.load_state_dict(checkpoint["ema"])
 
@@ -339,6 +348,12 @@ class FlowMatchingFineTune(L.LightningModule):
             "trainable": {name: list(p.shape) for name, p in self.trainable_parameters()},
             "dp": dp,
             "cp": getattr(strategy, "cp", 1),
+            # not checked: a resumed run may change its length, with a warning when that reshapes the schedule
+            "schedule": {
+                "lr_scheduler": h.lr_scheduler,
+                "warmup_steps": h.warmup_steps,
+                "max_steps": self.trainer.max_steps,
+            },
         }
 
 
