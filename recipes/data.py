@@ -128,6 +128,7 @@ class EncodedData(L.LightningDataModule):
     default_dir = "outputs/data/shapes"
     video = False
     validation = None  # a recipes.validation.Validation, found among the Trainer's callbacks when unset
+    given_layout: tuple[int, Path | None] = (1, None)  # (cp, run folder) without a Trainer: set_layout
     num_frames, frame_buckets, fps, clip_position, clips_per_video, skip_short_clips = 1, None, None, "start", 1, False
 
     def __init__(
@@ -228,10 +229,18 @@ class EncodedData(L.LightningDataModule):
                 trainer.strategy.barrier,
                 Path(trainer.default_root_dir),
             )
+        cp, run_dir = self.given_layout
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             d = torch.distributed
-            return d.get_rank(), d.get_world_size(), 1, d.barrier, None
-        return 0, 1, 1, lambda *a: None, None
+            return d.get_rank(), d.get_world_size(), cp, d.barrier, run_dir
+        return 0, 1, cp, lambda *a: None, run_dir
+
+    def set_layout(self, *, cp: int, run_dir: str | Path | None = None) -> None:
+        """The CP degree and run folder where no Trainer gives them (a plain Accelerate or torchrun loop): the
+        bucket table's ``cp`` and ``tokens_per_cp_rank``, and ``buckets.csv`` in ``run_dir``."""
+        if not isinstance(cp, int) or cp < 1:
+            raise ValueError(f"cp must be a positive int, got {cp!r}.")
+        self.given_layout = (cp, Path(run_dir) if run_dir is not None else None)
 
     def plan(self, cp: int = 1) -> list[dict]:
         """Every sample with its bucket and cache key, and the bucket table in ``self.table``."""
