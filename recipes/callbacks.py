@@ -60,7 +60,8 @@ class LossCurve(L.Callback):
         if val_loss:
             points = sorted(val_loss.items())
             ax.plot(*zip(*points, strict=True), color="tab:orange", marker="o", label="val_loss (held out)")
-        ax.set(xlabel="optimizer step", ylabel="flow-matching loss", title="training loss")
+        title = "training and held-out loss" if val_loss else "training loss"
+        ax.set(xlabel="optimizer step", ylabel="flow-matching loss", title=title)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
         fig.tight_layout()
