@@ -129,6 +129,7 @@ class EncodedData(L.LightningDataModule):
     video = False
     validation = None  # a recipes.validation.Validation, found among the Trainer's callbacks when unset
     given_layout: tuple[int, Path | None] = (1, None)  # (cp, run folder) without a Trainer: set_layout
+    dataset_class = CachedDataset
     num_frames, frame_buckets, fps, clip_position, clips_per_video, skip_short_clips = 1, None, None, "start", 1, False
 
     def __init__(
@@ -242,6 +243,11 @@ class EncodedData(L.LightningDataModule):
             raise ValueError(f"cp must be a positive int, got {cp!r}.")
         self.given_layout = (cp, Path(run_dir) if run_dir is not None else None)
 
+    def sources(self, folder) -> list:
+        """The captioned media of ``folder`` (recipes/media.py); an editing recipe pairs each with its reference."""
+        h = self.hparams
+        return find_sources(folder, allow_empty_captions=h.allow_empty_captions, fingerprint=h.fingerprint)
+
     def plan(self, cp: int = 1) -> list[dict]:
         """Every sample with its bucket and cache key, and the bucket table in ``self.table``."""
         h = self.hparams
@@ -264,13 +270,13 @@ class EncodedData(L.LightningDataModule):
             [(h.width or h.resolution) / h.resolution] if h.width else DEFAULT_ASPECT_RATIOS
         )
         buckets = make_buckets(resolutions(pixels, ratios, multiple), frame_counts)
-        sources = find_sources(self.data_dir, allow_empty_captions=h.allow_empty_captions, fingerprint=h.fingerprint)
+        sources = self.sources(self.data_dir)
         validation, held_out, root = self._validation(), [], self.data_dir
         if validation is not None and validation.data_dir is None:  # a part of data_dir, left out of training
             sources, held_out = validation.split(sources, self.data_dir)
         elif validation is not None:
             root = validation.data_dir
-            found = find_sources(root, allow_empty_captions=h.allow_empty_captions, fingerprint=h.fingerprint)
+            found = self.sources(root)
             held_out = validation.split(found, root)[1]
         probes = ProbeCache(self.cache_folder / "probes.json")
 
@@ -371,8 +377,12 @@ class EncodedData(L.LightningDataModule):
                 write_index(part, index)
             indexes.append(index)
         barrier()
-        self.dataset = CachedDataset(indexes[0], caption_dropout=h.caption_dropout, seed=h.seed)
-        self.val_dataset = CachedDataset(indexes[1]) if self.val_samples else None
+        self.encode_extra(samples + self.val_samples)
+        self.dataset = self.dataset_class(indexes[0], caption_dropout=h.caption_dropout, seed=h.seed)
+        self.val_dataset = self.dataset_class(indexes[1]) if self.val_samples else None
+
+    def encode_extra(self, samples: list[dict]) -> None:
+        """Cache what a recipe needs beyond each sample's latents and text (an editing recipe's reference)."""
 
     def train_dataloader(self) -> DataLoader:
         # Sized by the strategy (dp ranks under CP: CP peers get the same batches), one replica otherwise.

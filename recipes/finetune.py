@@ -374,7 +374,7 @@ class RecipeCLI(LightningCLI):
 
         parser.add_argument("--out_dir", type=str, default="outputs/run", help="the run's folder")
         sections = {
-            "samples": SAMPLERS[self.model_class.family],
+            "samples": getattr(self.model_class, "sampler", None) or SAMPLERS[self.model_class.family],
             "checkpoint": LightCheckpoint,
             "export": Export,
             "validation": Validation,  # before loss_curve: its last val_loss is drawn in loss.png
