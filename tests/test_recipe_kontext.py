@@ -54,10 +54,11 @@ def test_paired_data_of_two_aspect_ratios_trains_and_samples_at_cp2(run):
     assert len(losses(out)) == 4 and all(np.isfinite(losses(out)))
     with (out / "buckets.csv").open() as f:
         rows = {r["bucket"]: r for r in csv.DictReader(f)}
-    # the reference's tokens join the target's: 2 x 64 image tokens (2 x 128 for 64 x 32) + 32 text, halved at cp=2
+    # the reference's tokens join the target's: 2 x 64 image tokens (2 x 66 for the 2:1 bucket of the 32 x 32 pixel
+    # budget, 44 x 24) + 32 text, halved at cp=2
     assert {b: (int(r["tokens_per_sample"]), int(r["tokens_per_cp_rank"])) for b, r in rows.items()} == {
         "32x32": (160, 80),
-        "64x32": (288, 144),
+        "44x24": (164, 82),
     }
     for step in (0, 2, 4):
         assert (out / "samples" / f"step_{step}.png").stat().st_size > 0
