@@ -352,7 +352,7 @@ class FlowMatchingFineTune(L.LightningModule):
             "schedule": {
                 "lr_scheduler": h.lr_scheduler,
                 "warmup_steps": h.warmup_steps,
-                "max_steps": self.trainer.max_steps,
+                "max_steps": getattr(self.trainer, "max_steps", None),
             },
         }
 
