@@ -96,7 +96,9 @@ def _grads(rank, world, cache):
             "latents": torch.randn(c, 8, 8, generator=torch.Generator().manual_seed(i)),
             "control_latents": torch.randn(c, 8, 8, generator=torch.Generator().manual_seed(50 + i)),
             "prompt_embeds": torch.randn(8, config["joint_attention_dim"], generator=torch.Generator().manual_seed(i)),
-            "pooled_prompt_embeds": torch.randn(config["pooled_projection_dim"]),
+            "pooled_prompt_embeds": torch.randn(
+                config["pooled_projection_dim"], generator=torch.Generator().manual_seed(i)
+            ),
             "index": torch.tensor(i),
         }
         for i in range(4)
