@@ -41,7 +41,9 @@ __all__ = [
 ]
 
 _SOURCE = "_cp_lightning_pretrained"
+# peft's adapter tensors (LoRA, DoRA, LoKr): initialised after loading, never read from the base's files
 _LORA = ("lora_A", "lora_B", "lora_embedding_A", "lora_embedding_B", "lora_magnitude_vector")
+_LORA += ("lokr_w1", "lokr_w1_a", "lokr_w1_b", "lokr_w2", "lokr_w2_a", "lokr_w2_b", "lokr_t2")
 
 
 @dataclass(frozen=True)
@@ -306,10 +308,12 @@ def materialize(root: nn.Module, device: torch.device | str | None = None) -> li
 @torch.no_grad()
 def init_lora(module: nn.Module, seed: int) -> None:
     """Initialise every peft LoRA adapter of ``module`` as peft's ``init_lora_weights="gaussian"`` does
-    (A ~ N(0, 1/r), B = 0), each from a generator seeded by (``seed``, the layer's name): the values do not
-    depend on the order layers are visited, the device, or how FSDP shards them (each rank writes its own
-    slice of the same full tensor). On a module :func:`empty_model` built and not yet loaded, the seed is
-    recorded and :func:`materialize` initialises the adapters after loading the weights."""
+    (A ~ N(0, 1/r), B = 0; a DoRA magnitude from the base weight's row norms; LoKr as :func:`_init_lokr`), each
+    from a generator seeded by (``seed``, the layer's name): the values do not depend on the order layers are
+    visited, the device, or how FSDP shards them (each rank writes its own slice of the same full tensor). On a
+    module :func:`empty_model` built and not yet loaded, the seed is recorded and :func:`materialize` initialises
+    the adapters after loading the weights."""
+    from peft.tuners.lokr import LoKrLayer
     from peft.tuners.lora import LoraLayer
     from torch.distributed.tensor import DTensor, distribute_tensor
 
@@ -318,6 +322,9 @@ def init_lora(module: nn.Module, seed: int) -> None:
         setattr(module, _SOURCE, PretrainedSource(source.folder, seed))
         return
     for name, layer in module.named_modules():
+        if isinstance(layer, LoKrLayer):
+            _init_lokr(layer, name, seed)
+            continue
         if not isinstance(layer, LoraLayer):
             continue
         for adapter, lora_a in layer.lora_A.items():
@@ -332,3 +339,44 @@ def init_lora(module: nn.Module, seed: int) -> None:
             for bias in (lora_a.bias, layer.lora_B[adapter].bias):
                 if bias is not None:
                     _local(bias).zero_()
+            if layer.use_dora.get(adapter):
+                _init_dora_magnitude(layer, adapter)
+
+
+def _init_dora_magnitude(layer, adapter: str) -> None:
+    """DoRA's magnitude: the row norms of the base weight (B = 0, so the adapted weight is the base one), as peft
+    computes it. FSDP2 shards the weight and the magnitude alike on dim 0, so each rank's rows give its shard."""
+    from torch.distributed.tensor import DTensor
+
+    weight = layer.get_base_layer().weight
+    magnitude = layer.lora_magnitude_vector[adapter].weight
+    if isinstance(weight, DTensor) and not (
+        isinstance(magnitude, DTensor) and weight.placements == magnitude.placements
+    ):
+        weight = weight.full_tensor()  # (a collective: every rank visits the layers in the same order)
+    norms = torch.linalg.norm(_local(weight).float(), dim=1)  # out, in -> out
+    if isinstance(magnitude, DTensor) and not isinstance(weight, DTensor):
+        from torch.distributed.tensor import distribute_tensor
+
+        norms = distribute_tensor(norms, magnitude.device_mesh, magnitude.placements, src_data_rank=None)
+    _local(magnitude).copy_(_local(norms).to(magnitude.dtype))
+
+
+def _init_lokr(layer, name: str, seed: int) -> None:
+    """peft's LoKr init (the first Kronecker factor zero, so the update starts at 0; the others kaiming-uniform
+    with a = sqrt(5), i.e. U(-1/sqrt(fan_in), 1/sqrt(fan_in))), each tensor drawn from a generator seeded by
+    (``seed``, layer name, tensor name) like :func:`init_lora`."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    for attr in layer.adapter_layer_names:
+        for adapter, param in getattr(layer, attr).items():
+            key = f"{name}.{attr}.{adapter}".encode()
+            generator = torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(key)) % 2**63)
+            full = torch.zeros(param.shape, dtype=torch.float32)
+            if attr not in ("lokr_w1", "lokr_w1_a"):
+                fan_in = param.shape[1] * int(torch.tensor(param.shape[2:]).prod()) if param.ndim > 1 else 1
+                bound = 1.0 / fan_in**0.5
+                full.uniform_(-bound, bound, generator=generator)
+            if isinstance(param, DTensor):
+                full = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None)
+            _local(param).copy_(_local(full).to(param.dtype))

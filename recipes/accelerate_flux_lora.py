@@ -110,6 +110,7 @@ def main(args=None) -> list[tuple[int, float]]:
         activation_offload=args.activation_offload,
         seed=args.seed,
     )
+    data.set_layout(cp=cp.cp, run_dir=args.output_dir)  # no Trainer tells it: the bucket table's cp and tokens
     with accelerator.main_process_first():  # rank 0 builds the tiny pipeline and the encoded cache once
         data.prepare_data()
         module.configure_model()

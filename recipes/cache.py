@@ -179,7 +179,12 @@ def encode_entries(
 
 def write_index(samples: list[dict], path: Path) -> None:
     rows = [
-        {"key": s["key"], "name": s["name"], "bucket": [s["bucket"].frames, s["bucket"].height, s["bucket"].width]}
+        {
+            "key": s["key"],
+            "name": s["name"],
+            "clip": s.get("clip", 0),
+            "bucket": [s["bucket"].frames, s["bucket"].height, s["bucket"].width],
+        }
         for s in samples
     ]
     atomic_write_text(json.dumps({"samples": rows}), path)

@@ -53,6 +53,29 @@ def check_identity(saved: dict | None, current: dict, state_dict: dict | None) -
         )
 
 
+def schedule_change(saved: dict | None, current: dict) -> str | None:
+    """A warning when a resumed run's learning-rate schedule takes another shape than the checkpoint's: a cosine
+    or linear decay reaches 0 at ``max_steps``, so a new ``max_steps`` bends the rest of the curve (the
+    scheduler's state holds only the step count). None when nothing changes (a constant schedule has no end)."""
+    if not saved or saved == current:
+        return None
+    kind, before, after = current["lr_scheduler"], saved.get("max_steps"), current["max_steps"]
+    if saved.get("lr_scheduler") != kind or saved.get("warmup_steps") != current["warmup_steps"]:
+        return (
+            f"resuming a run trained with lr_scheduler={saved.get('lr_scheduler')!r}, warmup_steps="
+            f"{saved.get('warmup_steps')} under lr_scheduler={kind!r}, warmup_steps={current['warmup_steps']}: the "
+            "learning-rate schedule changes shape from the resumed step on."
+        )
+    if kind == "constant" or before == after:
+        return None
+    return (
+        f"resuming a {kind} schedule written for max_steps={before} with max_steps={after}: the learning rate now "
+        f"decays to 0 at step {after} instead of {before}, so the schedule's shape changes from the resumed step "
+        f"on (the curve is not the one a {after}-step run follows). Resume with --trainer.max_steps {before} to keep "
+        "it, or start a fresh run for a different length."
+    )
+
+
 class _SkipBatches(torch.utils.data.Sampler):
     """A batch sampler that skips the first ``skip`` batches of its next pass (indices only, no data read)."""
 

@@ -6,8 +6,11 @@ Each filter names one message that is harmless here and why; anything else still
 
 from __future__ import annotations
 
+import datetime
 import logging
 import re
+import sys
+import time
 import warnings
 
 from lightning.pytorch.callbacks import RichProgressBar
@@ -45,7 +48,61 @@ def quiet() -> None:
 
 class StepProgressBar(RichProgressBar):
     """Lightning's rich bar, labelled for step-based runs: ``Epoch 1`` and ``step 14/30``, never
-    Lightning's ``Epoch 1/-2`` (its max_epochs - 1 when only max_steps is set)."""
+    Lightning's ``Epoch 1/-2`` (its max_epochs - 1 when only max_steps is set).
+
+    When stdout is not a terminal (SLURM, nohup, a pipe), a live bar shows nothing useful in the log file:
+    the bar is then replaced by one plain line every ``every_n_steps`` optimizer steps and at the last one::
+
+        step 120/4000  train_loss 0.4312  2.31 it/s  ETA 0:28:01
+
+    (rank 0; it/s over the steps since the previous line).
+
+    Args:
+        every_n_steps: steps between plain lines.
+        plain: force plain lines (True) or the live bar (False); None picks by whether stdout is a terminal.
+    """
+
+    def __init__(self, *args, every_n_steps: int = 50, plain: bool | None = None, **kwargs):
+        if every_n_steps < 1:
+            raise ValueError(f"every_n_steps must be >= 1 (steps between plain progress lines), got {every_n_steps}.")
+        super().__init__(*args, **kwargs)
+        self.every_n_steps, self.plain = every_n_steps, plain
+        self._mark: tuple[int, float] | None = None  # (step, time) of the previous plain line
+
+    def setup(self, trainer, pl_module, stage: str) -> None:
+        super().setup(trainer, pl_module, stage)
+        if self.plain is None:
+            self.plain = not sys.stdout.isatty()
+        if self.plain:
+            self.disable()  # no live display; on_train_batch_end prints the lines
+
+    def on_train_start(self, trainer, pl_module):
+        super().on_train_start(trainer, pl_module)
+        self._mark = (trainer.global_step, time.monotonic())
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+        step, last = trainer.global_step, trainer.max_steps if trainer.max_steps and trainer.max_steps > 0 else None
+        if not self.plain or not trainer.is_global_zero or self._mark is None or step == self._mark[0]:
+            return
+        if step % self.every_n_steps and step != last:
+            return
+        print(self.line(trainer, pl_module), flush=True)
+
+    def line(self, trainer, pl_module) -> str:
+        """One plain progress line: step, the progress-bar metrics, it/s since the last line and the ETA."""
+        step, now = trainer.global_step, time.monotonic()
+        total = trainer.max_steps if trainer.max_steps and trainer.max_steps > 0 else None
+        rate = (step - self._mark[0]) / max(now - self._mark[1], 1e-9)
+        self._mark = (step, now)
+        parts = [f"step {step}/{total}" if total else f"step {step}"]
+        for key, value in self.get_metrics(trainer, pl_module).items():
+            if key != "step":
+                parts.append(f"{key} {value:.4f}" if isinstance(value, float) else f"{key} {value}")
+        parts.append(f"{rate:.2f} it/s")
+        if total:
+            parts.append(f"ETA {datetime.timedelta(seconds=round((total - step) / max(rate, 1e-9)))}")
+        return "  ".join(parts)
 
     def _get_train_description(self, current_epoch: int) -> str:
         if self.trainer.max_epochs is not None and self.trainer.max_epochs > 0:

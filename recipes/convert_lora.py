@@ -38,8 +38,8 @@ def detect(state: dict) -> str:
 
 def convert(source: str | Path, out: str | Path, to: str, family: str | None = None) -> Path:
     """Convert ``source`` to format ``to``; returns the written file."""
-    if to not in lora.FORMATS:
-        raise ValueError(f"--to must be one of {lora.FORMATS}, got {to!r}.")
+    if to not in lora.CONVERTIBLE:
+        raise ValueError(f"--to must be one of {lora.CONVERTIBLE}, got {to!r}.")
     state, meta = lora.read(_input_file(Path(source)))
     family = meta.get("cp_lightning.family") or family
     if family is None:
@@ -61,7 +61,7 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("source", help="LoRA file (or the folder holding it)")
     p.add_argument("out", help="output folder or .safetensors file")
-    p.add_argument("--to", required=True, choices=lora.FORMATS)
+    p.add_argument("--to", required=True, choices=lora.CONVERTIBLE)
     p.add_argument("--family", choices=("flux", "wan"), help="model family, if the file carries no metadata")
     args = p.parse_args(argv)
     try:

@@ -45,6 +45,7 @@ from recipes.cache import (
 from recipes.checkpoints import ResumableLoader
 from recipes.media import ProbeCache, find_sources
 from recipes.synthetic import make_shapes
+from recipes.validation import source_name
 
 
 class EncodedData(L.LightningDataModule):
@@ -84,6 +85,9 @@ class EncodedData(L.LightningDataModule):
     family = ""
     default_dir = "outputs/data/shapes"
     video = False
+    validation = None  # a recipes.validation.Validation, found among the Trainer's callbacks when unset
+    given_layout: tuple[int, Path | None] = (1, None)  # (cp, run folder) without a Trainer: set_layout
+    dataset_class = CachedDataset
     num_frames, frame_buckets, fps, clip_position, clips_per_video, skip_short_clips = 1, None, None, "start", 1, False
 
     def __init__(
@@ -132,7 +136,8 @@ class EncodedData(L.LightningDataModule):
             )
         self.aspect_ratios = [parse_ratio(r) for r in aspect_ratios] if aspect_ratios else None
         self.save_hyperparameters()
-        self.dataset = None
+        self.dataset = self.val_dataset = None
+        self.val_samples: list[dict] = []  # the held-out samples (recipes/validation.py)
         self.table: list[dict] = []
         self.batch_sizes: dict[tuple, int] | None = None  # per bucket, with batch_size: auto
 
@@ -164,6 +169,14 @@ class EncodedData(L.LightningDataModule):
             make_shapes(self.data_dir, h.synthetic_samples, size=h.resolution, seed=h.seed, frames=self.num_frames)
         self._pipeline_path()  # builds the tiny pipeline once, before every rank reads it
 
+    def _validation(self):
+        """The run's Validation callback (its held-out files are left out of training), or None."""
+        from recipes.validation import find
+
+        if self.validation is None and self.trainer is not None:
+            self.validation = find(self.trainer)
+        return self.validation
+
     def _layout(self):
         """(rank, world, cp, barrier, run folder) from the Trainer, torch.distributed, or one process."""
         trainer = self.trainer
@@ -175,10 +188,23 @@ class EncodedData(L.LightningDataModule):
                 trainer.strategy.barrier,
                 Path(trainer.default_root_dir),
             )
+        cp, run_dir = self.given_layout
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             d = torch.distributed
-            return d.get_rank(), d.get_world_size(), 1, d.barrier, None
-        return 0, 1, 1, lambda *a: None, None
+            return d.get_rank(), d.get_world_size(), cp, d.barrier, run_dir
+        return 0, 1, cp, lambda *a: None, run_dir
+
+    def set_layout(self, *, cp: int, run_dir: str | Path | None = None) -> None:
+        """The CP degree and run folder where no Trainer gives them (a plain Accelerate or torchrun loop): the
+        bucket table's ``cp`` and ``tokens_per_cp_rank``, and ``buckets.csv`` in ``run_dir``."""
+        if not isinstance(cp, int) or cp < 1:
+            raise ValueError(f"cp must be a positive int, got {cp!r}.")
+        self.given_layout = (cp, Path(run_dir) if run_dir is not None else None)
+
+    def sources(self, folder) -> list:
+        """The captioned media of ``folder`` (recipes/media.py); an editing recipe pairs each with its reference."""
+        h = self.hparams
+        return find_sources(folder, allow_empty_captions=h.allow_empty_captions, fingerprint=h.fingerprint)
 
     def plan(self, cp: int = 1) -> list[dict]:
         """Every sample with its bucket and cache key, and the bucket table in ``self.table``."""
@@ -202,19 +228,33 @@ class EncodedData(L.LightningDataModule):
             [(h.width or h.resolution) / h.resolution] if h.width else DEFAULT_ASPECT_RATIOS
         )
         buckets = make_buckets(resolutions(pixels, ratios, multiple), frame_counts)
-        sources = find_sources(self.data_dir, allow_empty_captions=h.allow_empty_captions, fingerprint=h.fingerprint)
+        sources = self.sources(self.data_dir)
+        validation, held_out, root = self._validation(), [], self.data_dir
+        if validation is not None and validation.data_dir is None:  # a part of data_dir, left out of training
+            sources, held_out = validation.split(sources, self.data_dir)
+        elif validation is not None:
+            root = validation.data_dir
+            found = self.sources(root)
+            held_out = validation.split(found, root)[1]
         probes = ProbeCache(self.cache_folder / "probes.json")
-        samples = plan_samples(
-            sources,
-            buckets,
-            video=self.video,
-            fps=self.fps,
-            clip_position=self.clip_position,
-            clips_per_video=self.clips_per_video,
-            skip_short_clips=self.skip_short_clips,
-            seed=h.seed,
-            probe=probes,
-        )
+
+        def place(files):
+            return plan_samples(
+                files,
+                buckets,
+                video=self.video,
+                fps=self.fps,
+                clip_position=self.clip_position,
+                clips_per_video=self.clips_per_video,
+                skip_short_clips=self.skip_short_clips,
+                seed=h.seed,
+                probe=probes,
+            )
+
+        samples = place(sources)
+        self.val_samples = place(held_out)
+        for s in self.val_samples:  # named relative to their folder: the noise is keyed by it
+            s["name"] = source_name(s["source"], root)
         if self._layout()[0] == 0:
             probes.save()
         if not samples:
@@ -230,7 +270,7 @@ class EncodedData(L.LightningDataModule):
             "vae_tiling": h.vae_tiling,
             "encode_dtype": h.encode_dtype,
         }
-        for s in samples:
+        for s in samples + self.val_samples:
             s["frames"] = s["frames"][: s["bucket"].frames]
             b = s["bucket"]
             s["key"] = digest(
@@ -263,7 +303,8 @@ class EncodedData(L.LightningDataModule):
             barrier()
             raise SystemExit(0)
         folder = self.cache_folder
-        if todo(samples, folder, rank, world) or (rank == 0 and not (folder / f"{EMPTY}.safetensors").exists()):
+        encoded = samples + self.val_samples
+        if todo(encoded, folder, rank, world) or (rank == 0 and not (folder / f"{EMPTY}.safetensors").exists()):
             from recipes.components import load_encoders
 
             dtype = getattr(torch, h.encode_dtype)
@@ -273,7 +314,7 @@ class EncodedData(L.LightningDataModule):
             if h.vae_tiling:
                 pipeline.vae.enable_tiling()
             encode_entries(
-                samples,
+                encoded,
                 folder,
                 self.encoder(pipeline),
                 rank=rank,
@@ -286,11 +327,20 @@ class EncodedData(L.LightningDataModule):
             if device.type == "cuda":
                 torch.cuda.empty_cache()  # the encoders leave before the transformer arrives
         barrier()
-        index = folder / f"index-{digest([s['key'] for s in samples])[:20]}.json"
-        if rank == 0 and not index.exists():  # its name is a digest of its keys: an existing one is current
-            write_index(samples, index)
+        indexes = []
+        for part, prefix in ((samples, "index"), (self.val_samples, "val-index")):
+            # its name is a digest of its rows: an existing one is current
+            index = folder / f"{prefix}-{digest([[s['key'], s['name'], s['clip']] for s in part])[:20]}.json"
+            if rank == 0 and part and not index.exists():
+                write_index(part, index)
+            indexes.append(index)
         barrier()
-        self.dataset = CachedDataset(index, caption_dropout=h.caption_dropout, seed=h.seed)
+        self.encode_extra(samples + self.val_samples)
+        self.dataset = self.dataset_class(indexes[0], caption_dropout=h.caption_dropout, seed=h.seed)
+        self.val_dataset = self.dataset_class(indexes[1]) if self.val_samples else None
+
+    def encode_extra(self, samples: list[dict]) -> None:
+        """Cache what a recipe needs beyond each sample's latents and text (an editing recipe's reference)."""
 
     def train_dataloader(self) -> DataLoader:
         # Sized by the strategy (dp ranks under CP: CP peers get the same batches), one replica otherwise.

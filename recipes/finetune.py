@@ -22,24 +22,44 @@ from recipes.console import quiet
 quiet()
 
 
-def prepare_for_training(
-    transformer, lora_rank: int, targets: list[str], seed: int, checkpointing: bool, base_dtype: str | None = None
-):
-    """Add a LoRA adapter (``lora_rank > 0``, base frozen, optionally stored in float8: ``base_dtype``) with a
-    layout-independent init; trainable weights in fp32; optional gradient checkpointing. ``transformer`` may be
-    on the meta device (cp_lightning.loading.empty_model): its fp8 weights are then quantized and its LoRA
-    initialised when its weights load."""
-    if lora_rank:
-        from peft import LoraConfig
+LORA_TYPES = ("lora", "dora", "lokr")
 
+
+def adapter_config(lora_type: str, rank: int, targets: list[str]):
+    """peft's config for ``lora_type``: LoRA, DoRA (LoRA with a learned magnitude per output row, peft's
+    ``use_dora``) or LoKr (a Kronecker-product update, peft's ``LoKrConfig``); alpha = rank (scale 1)."""
+    from peft import LoKrConfig, LoraConfig
+
+    if lora_type not in LORA_TYPES:
+        raise ValueError(f"model.lora_type must be one of {LORA_TYPES}, got {lora_type!r}.")
+    if lora_type == "lokr":
+        return LoKrConfig(r=rank, alpha=rank, target_modules=targets)
+    return LoraConfig(
+        r=rank, lora_alpha=rank, init_lora_weights="gaussian", target_modules=targets, use_dora=lora_type == "dora"
+    )
+
+
+def prepare_for_training(
+    transformer,
+    lora_rank: int,
+    targets: list[str],
+    seed: int,
+    checkpointing: bool,
+    base_dtype: str | None = None,
+    lora_type: str = "lora",
+):
+    """Add a LoRA adapter (``lora_rank > 0``, base frozen, optionally stored in float8: ``base_dtype``; a DoRA or
+    LoKr one with ``lora_type``) with a layout-independent init; trainable weights in fp32; optional gradient
+    checkpointing. ``transformer`` may be on the meta device (cp_lightning.loading.empty_model): its fp8 weights
+    are then quantized and its adapter initialised when its weights load."""
+    if lora_rank:
+        config = adapter_config(lora_type, lora_rank, targets)
         transformer.requires_grad_(False)
         if base_dtype is not None:  # the frozen linears to float8 before PEFT wraps them
             transformer = to_fp8_base(transformer, dtype=getattr(torch, base_dtype))
         with torch.random.fork_rng():  # the same adapter init at every layout
             torch.manual_seed(seed)
-            transformer.add_adapter(
-                LoraConfig(r=lora_rank, lora_alpha=lora_rank, init_lora_weights="gaussian", target_modules=targets)
-            )
+            transformer.add_adapter(config)
         # seeded by (seed, layer name): the same values built eagerly or on the meta device and sharded
         loading.init_lora(transformer, seed)
     for p in transformer.parameters():
@@ -83,6 +103,9 @@ class FlowMatchingFineTune(L.LightningModule):
         pretrained: ``tiny`` (the embedded tiny model) or a checkpoint path / hub id.
         cache_dir: where the tiny pipeline is built.
         lora_rank: LoRA rank; 0 fine-tunes every weight.
+        lora_type: ``lora``, ``dora`` (weight-decomposed LoRA) or ``lokr`` (Kronecker product), through peft.
+            Exports: LoRA in the diffusers, ComfyUI and peft formats; DoRA in the diffusers and peft formats;
+            LoKr in the peft format (recipes/lora.py says why).
         lora_targets: module names LoRA adapts (peft's ``target_modules``); by default the family's attention
             projections.
         learning_rate: AdamW peak learning rate.
@@ -117,6 +140,7 @@ class FlowMatchingFineTune(L.LightningModule):
         *,
         cache_dir: str = "outputs/cache",
         lora_rank: int = 4,
+        lora_type: str = "lora",
         lora_targets: list[str] | None = None,
         learning_rate: float = 1e-3,
         lr_scheduler: str = "constant",
@@ -150,6 +174,13 @@ class FlowMatchingFineTune(L.LightningModule):
             )
         if lora_rank < 0:
             raise ValueError(f"lora_rank must be >= 0 (0: full fine-tuning), got {lora_rank}.")
+        if lora_type not in LORA_TYPES:
+            raise ValueError(f"model.lora_type must be one of {LORA_TYPES}, got {lora_type!r}.")
+        if lora_type == "dora" and base_dtype is not None:
+            raise ValueError(
+                f"model.lora_type=dora normalises the adapted weight by its row norms, which a float8 base "
+                f"(base_dtype={base_dtype!r}) does not hold unscaled: drop base_dtype, or use lora_type lora or lokr."
+            )
         if base_dtype is not None:
             if getattr(torch, str(base_dtype), None) not in FP8_DTYPES:
                 names = [str(d).removeprefix("torch.") for d in FP8_DTYPES]
@@ -186,7 +217,7 @@ class FlowMatchingFineTune(L.LightningModule):
             )
         targets = list(h.lora_targets or self.lora_targets)
         self.transformer = prepare_for_training(
-            transformer, h.lora_rank, targets, h.seed, h.gradient_checkpointing, h.base_dtype
+            transformer, h.lora_rank, targets, h.seed, h.gradient_checkpointing, h.base_dtype, h.lora_type
         )
         if h.activation_offload:
             offload.apply_activation_offload(self.transformer)
@@ -230,6 +261,13 @@ class FlowMatchingFineTune(L.LightningModule):
             min_t=h.min_timestep,
             max_t=h.max_timestep,
         )
+
+    def draws(self, x0: torch.Tensor, batch: dict):
+        """(noise, t) for a batch: the batch's own fixed ones (the validation loss, recipes/validation.py), else
+        drawn per sample by ``noise_and_t``."""
+        if "noise" in batch:
+            return batch["noise"], batch["t"]
+        return self.noise_and_t(x0, batch["index"])
 
     def predict(self, batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(model output, flow-matching target, t per sample) for a batch."""
@@ -285,7 +323,16 @@ class FlowMatchingFineTune(L.LightningModule):
         check_identity(checkpoint.get("recipe"), self.checkpoint_identity(), checkpoint.get("state_dict"))
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
+        from recipes.checkpoints import schedule_change
+
         self.check_checkpoint(checkpoint)  # (again, for strategies that do not call it first)
+        message = schedule_change(
+            (checkpoint.get("recipe") or {}).get("schedule"), self.checkpoint_identity()["schedule"]
+        )
+        if message:
+            from lightning.pytorch.utilities import rank_zero_warn
+
+            rank_zero_warn(message)
         if self.ema is not None and "ema" in checkpoint:
             self.ema.load_state_dict(checkpoint["ema"])
 
@@ -301,6 +348,12 @@ class FlowMatchingFineTune(L.LightningModule):
             "trainable": {name: list(p.shape) for name, p in self.trainable_parameters()},
             "dp": dp,
             "cp": getattr(strategy, "cp", 1),
+            # not checked: a resumed run may change its length, with a warning when that reshapes the schedule
+            "schedule": {
+                "lr_scheduler": h.lr_scheduler,
+                "warmup_steps": h.warmup_steps,
+                "max_steps": getattr(self.trainer, "max_steps", None),
+            },
         }
 
 
@@ -308,20 +361,23 @@ class RecipeCLI(LightningCLI):
     """LightningCLI plus the recipe's own sections, all writing under one ``out_dir``:
 
     ``samples`` (validation samples, :mod:`recipes.sampling`), ``checkpoint`` (light checkpoints,
-    :mod:`recipes.checkpoints`), ``export`` (the final LoRA, ``--export.format comfyui``) and
-    ``loss_curve``. It checks the schedule against the run's length before any process starts.
+    :mod:`recipes.checkpoints`), ``export`` (the final LoRA, ``--export.format comfyui``), ``validation``
+    (the held-out ``val_loss``, :mod:`recipes.validation`) and ``loss_curve``. It checks the schedule against
+    the run's length before any process starts.
     """
 
     def add_arguments_to_parser(self, parser) -> None:
         from recipes.callbacks import Export, LossCurve
         from recipes.checkpoints import LightCheckpoint
         from recipes.sampling import SAMPLERS
+        from recipes.validation import Validation
 
         parser.add_argument("--out_dir", type=str, default="outputs/run", help="the run's folder")
         sections = {
-            "samples": SAMPLERS[self.model_class.family],
+            "samples": getattr(self.model_class, "sampler", None) or SAMPLERS[self.model_class.family],
             "checkpoint": LightCheckpoint,
             "export": Export,
+            "validation": Validation,  # before loss_curve: its last val_loss is drawn in loss.png
             "loss_curve": LossCurve,
         }
         for key, callback in sections.items():
@@ -331,7 +387,10 @@ class RecipeCLI(LightningCLI):
     def before_instantiate_classes(self) -> None:
         # the dry run plans on the CPU from the YAML alone: no Trainer (whose CUDA accelerator a CPU machine
         # refuses), no processes (recipes/planning.py)
+        from recipes.loggers import check_logger_packages
+
         config = self.config[self.subcommand] if self.subcommand else self.config
+        check_logger_packages(config["trainer"].get("logger"))
         if config["data"].get("dry_run"):
             from recipes.planning import dry_run
 
@@ -348,6 +407,8 @@ class RecipeCLI(LightningCLI):
         for section in ("export", "checkpoint"):
             key = "format" if section == "export" else "export_format"
             fmt = self.config[self.subcommand][section][key]
+            if h.lora_rank:
+                lora.check_format(h.lora_type, fmt, where=f"{section}.{key}")
             if fmt == "comfyui" and family not in lora.COMFYUI_FAMILIES:
                 raise ValueError(
                     f"{section}.{key}=comfyui: there is no ComfyUI LoRA layout for the {family} recipe (only for "

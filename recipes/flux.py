@@ -39,7 +39,7 @@ class FluxFineTune(FlowMatchingFineTune):
 
         x0 = batch["latents"]  # B, C, h, w
         b, c, h, w = x0.shape
-        noise, t = self.noise_and_t(x0, batch["index"])  # t from the full token count, never a CP shard's
+        noise, t = self.draws(x0, batch)  # t from the full token count, never a CP shard's
         xt = (1 - t.view(-1, 1, 1, 1)) * x0 + t.view(-1, 1, 1, 1) * noise
         # B, C, h, w -> B, (h/2)(w/2), 4C: Flux's 2x2 packed latent tokens
         packed = FluxPipeline._pack_latents(xt, b, c, h, w)

@@ -49,7 +49,7 @@ class HunyuanFineTune(FlowMatchingFineTune):
 
     def predict(self, batch):
         x0 = batch["latents"]  # B, C, f, h, w
-        noise, t = self.noise_and_t(x0, batch["index"])
+        noise, t = self.draws(x0, batch)
         tb = t.view(-1, 1, 1, 1, 1)
         xt = (1 - tb) * x0 + tb * noise
         # as the pipeline calls it: timesteps in [0, 1000], guidance x 1000

@@ -24,7 +24,14 @@ import torch
 
 WEIGHT_NAME = "pytorch_lora_weights.safetensors"  # diffusers' file name
 COMFYUI_NAME = "lora_comfyui.safetensors"
-FORMATS = ("diffusers", "comfyui")
+PEFT_NAME = "adapter_model.safetensors"  # peft's own layout, with adapter_config.json beside it
+FORMATS = ("diffusers", "comfyui", "peft")
+CONVERTIBLE = ("diffusers", "comfyui")  # what recipes.convert_lora converts between
+# The formats each model.lora_type exports to. diffusers' load_lora_weights reads LoRA and DoRA (its
+# lora_magnitude_vector keys) but no LoKr; the ComfyUI layouts here are kohya's / ComfyUI's LoRA names, and
+# Flux's fused qkv / linear1 layers can take a stacked LoRA exactly but neither a DoRA (one norm per fused row
+# over all members' updates) nor a Kronecker product. peft's format (load_peft) holds every variant.
+VARIANT_FORMATS = {"lora": ("diffusers", "comfyui", "peft"), "dora": ("diffusers", "peft"), "lokr": ("peft",)}
 COMFYUI_FAMILIES = ("flux", "wan")  # families with a ComfyUI layout below
 BASE_MODEL_VERSIONS = {"flux": "flux1", "wan": "wan", "hunyuan": "hunyuan_video"}  # kohya's ss_base_model_version
 
@@ -225,6 +232,32 @@ def to_diffusers(state: dict[str, torch.Tensor], family: str, dims: dict[str, li
     return out
 
 
+def check_format(lora_type: str, fmt: str, where: str = "export.format") -> None:
+    """Refuse an export format the adapter variant has no faithful layout in, naming the ones it has."""
+    formats = VARIANT_FORMATS.get(lora_type)
+    if formats is None:
+        raise ValueError(f"model.lora_type must be one of {tuple(VARIANT_FORMATS)}, got {lora_type!r}.")
+    if fmt not in formats:
+        raise ValueError(
+            f"{where}={fmt!r}: a {lora_type} adapter has no {fmt} layout (see recipes/lora.py); it exports as "
+            f"{' or '.join(formats)}: set {where}: {formats[0]}, or train model.lora_type: lora."
+        )
+
+
+def load_peft(transformer, directory: str | Path, adapter_name: str = "default"):
+    """Add the adapter of a peft-format export (any lora_type) to ``transformer`` (a diffusers model); returns it."""
+    from peft import PeftConfig, set_peft_model_state_dict
+    from safetensors.torch import load_file
+
+    directory = Path(directory)
+    config = PeftConfig.from_pretrained(str(directory))
+    transformer.add_adapter(config, adapter_name=adapter_name)
+    result = set_peft_model_state_dict(transformer, load_file(str(directory / PEFT_NAME)), adapter_name=adapter_name)
+    if result.unexpected_keys:
+        raise ValueError(f"{directory} holds tensors this model has no adapter for: {result.unexpected_keys[:3]}")
+    return transformer
+
+
 def metadata(pl_module, *, step: int, epoch: int, ema: bool, fmt: str) -> dict[str, str]:
     """Training metadata for the safetensors header (strings only)."""
     h = pl_module.hparams
@@ -232,6 +265,7 @@ def metadata(pl_module, *, step: int, epoch: int, ema: bool, fmt: str) -> dict[s
         "cp_lightning.family": pl_module.family,
         "cp_lightning.base_model": str(h.pretrained),
         "cp_lightning.format": fmt,
+        "cp_lightning.lora_type": h.get("lora_type", "lora"),
         "cp_lightning.step": str(step),
         "cp_lightning.epoch": str(epoch),
         "cp_lightning.ema_decay": str(h.ema_decay if ema else 0.0),
@@ -254,8 +288,11 @@ def fused_dims(config: dict) -> dict[str, list[int]]:
     return {"qkv": [inner] * 3, "linear1": [inner] * 3 + [int(inner * config.get("mlp_ratio", 4.0))]}
 
 
-def save(state: dict[str, torch.Tensor], directory: str | Path, *, family: str, fmt: str, meta: dict) -> Path:
-    """Write a diffusers-format state (``transformer.`` keys) as ``fmt`` into ``directory``; returns the file."""
+def save(
+    state: dict[str, torch.Tensor], directory: str | Path, *, family: str, fmt: str, meta: dict, peft_config=None
+) -> Path:
+    """Write a diffusers-format state (``transformer.`` keys) as ``fmt`` into ``directory``; returns the file.
+    The peft format needs the adapter's ``peft_config`` (written as adapter_config.json)."""
     from safetensors.torch import save_file
 
     if fmt not in FORMATS:
@@ -265,7 +302,12 @@ def save(state: dict[str, torch.Tensor], directory: str | Path, *, family: str, 
     if fmt == "comfyui":
         config = json.loads(meta.get("cp_lightning.transformer_config", "{}"))
         state = to_comfyui(state, family, fused_dims(config) if family == "flux" and config else None)
-    path = directory / (COMFYUI_NAME if fmt == "comfyui" else WEIGHT_NAME)
+    if fmt == "peft":
+        if peft_config is None:
+            raise ValueError("the peft format needs the adapter's peft config (peft_config=...).")
+        peft_config.save_pretrained(str(directory))
+        state = {k.removeprefix("transformer."): v for k, v in state.items()}
+    path = directory / {"comfyui": COMFYUI_NAME, "peft": PEFT_NAME}.get(fmt, WEIGHT_NAME)
     tensors = {k: v.detach().to("cpu").contiguous() for k, v in state.items()}
     save_file(tensors, str(path), metadata={"format": "pt", **meta})
     return path
@@ -281,6 +323,7 @@ def export(pl_module, directory: str | Path, *, fmt: str = "diffusers", step: in
 
     from cp_lightning.data_parallel import lora_state_dict
 
+    check_format(pl_module.hparams.get("lora_type", "lora"), fmt)
     state = lora_state_dict(pl_module.transformer)
     shadow = pl_module.ema.full_state_dict() if pl_module.ema is not None else None
     if dist.is_initialized() and dist.get_rank() != 0:
@@ -288,17 +331,19 @@ def export(pl_module, directory: str | Path, *, fmt: str = "diffusers", step: in
     raw = {f"transformer.{k}": v for k, v in state.items()}
     family = pl_module.family
     meta = metadata(pl_module, step=step, epoch=epoch, ema=False, fmt=fmt)
-    files = [save(raw, directory, family=family, fmt=fmt, meta=meta)]
+    peft_config = getattr(pl_module.transformer, "peft_config", {}).get("default")
+    files = [save(raw, directory, family=family, fmt=fmt, meta=meta, peft_config=peft_config)]
     if shadow is not None:
-        # the EMA is named like the module's parameters: transformer.<...>.lora_A.default.weight
-        names = {
-            k: k.replace(".lora_A.weight", ".lora_A.default.weight").replace(".lora_B.weight", ".lora_B.default.weight")
-            for k in raw
-        }
-        ema = {k: shadow[name] for k, name in names.items()}
+        from peft.utils import get_peft_model_state_dict
+
+        # the EMA is named like the module's parameters (transformer.<...>.lora_A.default.weight): peft names it
+        # as it names the weights
+        params = {k.removeprefix("transformer."): v for k, v in shadow.items()}
+        ema = {f"transformer.{k}": v for k, v in get_peft_model_state_dict(pl_module.transformer, params).items()}
         directory = Path(directory)
         meta = metadata(pl_module, step=step, epoch=epoch, ema=True, fmt=fmt)
-        files.append(save(ema, directory.with_name(directory.name + "_ema"), family=family, fmt=fmt, meta=meta))
+        ema_dir = directory.with_name(directory.name + "_ema")
+        files.append(save(ema, ema_dir, family=family, fmt=fmt, meta=meta, peft_config=peft_config))
     return files
 
 

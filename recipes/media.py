@@ -66,10 +66,11 @@ def _metadata_captions(folder: Path) -> dict[Path, str | None]:
 
 
 def find_sources(
-    data_dir: str | Path, *, allow_empty_captions: bool = False, fingerprint: str = "mtime"
+    data_dir: str | Path, *, allow_empty_captions: bool = False, fingerprint: str = "mtime", exclude: tuple = ()
 ) -> list[Source]:
     """Every captioned image or video under ``data_dir`` (a folder, a saved dataset or a cached Hub
-    dataset), in a fixed order; raises ValueError naming the first bad file. A file's ``stamp`` is its
+    dataset), in a fixed order, leaving out the top-level folders named in ``exclude`` (an editing recipe's
+    ``control/``); raises ValueError naming the first bad file. A file's ``stamp`` is its
     relative path, size and mtime, or (``fingerprint="content"``) its size and SHA-256: copies and
     touched files then keep their cache entries."""
     folder = Path(data_dir)
@@ -93,8 +94,8 @@ def find_sources(
     sources = []
     for path in sorted(p for p in folder.rglob("*") if p.is_file()):
         rel = path.relative_to(folder)
-        if any(part.startswith(".") for part in rel.parts):
-            continue  # hidden files and folders (.DS_Store, .cache)
+        if any(part.startswith(".") for part in rel.parts) or rel.parts[0] in exclude:
+            continue  # hidden files and folders (.DS_Store, .cache), and folders the caller reads itself
         ext = path.suffix.lower()
         if ext in IGNORED_EXTENSIONS and path not in listed:
             continue

@@ -185,7 +185,7 @@ class Samples(L.Callback):
         if self.num_frames > 1:
             files.append(folder / f"step_{step}.mp4")
             save_video(samples, files[1], self.fps)
-        log_samples(trainer, samples, self.prompts, files, step)
+        log_samples(trainer, samples, self.prompts, files, step, self.fps)
 
 
 class SampleFlux(Samples):
@@ -317,13 +317,32 @@ def save_video(samples: list[np.ndarray], path: Path, fps: int, scale: int = 4) 
         container.mux(stream.encode())
 
 
-def log_samples(trainer, samples: list[np.ndarray], prompts: list[str], files: list[Path], step: int) -> None:
+def gif_summary(tag: str, clip: np.ndarray, fps: int):
+    """A TensorBoard video summary: an animated GIF in an image summary (what ``SummaryWriter.add_video``
+    writes, encoded with PIL instead of moviepy). ``clip``: F, H, W, 3 floats in [0, 1]."""
+    import io
+
+    from tensorboard.compat.proto.summary_pb2 import Summary
+
+    frames = [_to_pil(frame) for frame in clip]
+    buffer = io.BytesIO()
+    frames[0].save(buffer, format="GIF", save_all=True, append_images=frames[1:], duration=1000 // fps, loop=0)
+    f, h, w, c = clip.shape
+    image = Summary.Image(height=h, width=w, colorspace=c, encoded_image_string=buffer.getvalue())
+    return Summary(value=[Summary.Value(tag=tag, image=image)])
+
+
+def log_samples(
+    trainer, samples: list[np.ndarray], prompts: list[str], files: list[Path], step: int, fps: int = 8
+) -> None:
     """Hand the samples to every logger of the Trainer in the form it takes."""
     for logger in trainer.loggers:
         experiment = getattr(logger, "experiment", None)
-        if hasattr(experiment, "add_image"):  # TensorBoard: images; a video as its frame strip
+        if hasattr(experiment, "add_image"):  # TensorBoard: images (a video's frames side by side) and GIFs
             for prompt, sample in zip(prompts, samples, strict=True):
                 experiment.add_image(f"samples/{prompt}", np.concatenate(list(sample), axis=1), step, dataformats="HWC")
+                if len(sample) > 1:
+                    experiment._get_file_writer().add_summary(gif_summary(f"videos/{prompt}", sample, fps), step)
         elif hasattr(logger, "log_image"):  # Weights & Biases
             logger.log_image(key="samples", images=[str(files[0])], step=step)
             if len(files) > 1 and hasattr(logger, "log_video"):

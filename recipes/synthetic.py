@@ -17,7 +17,7 @@ COLOURS = {"red": (220, 40, 40), "green": (40, 180, 60), "blue": (40, 80, 220), 
 SHAPES = ("circle", "square", "triangle")
 
 
-def _draw(size: int, colour: str, shape: str, cx: int, cy: int, r: int) -> Image.Image:
+def draw_shape(size: int, colour: str, shape: str, cx: int, cy: int, r: int) -> Image.Image:
     image = Image.new("RGB", (size, size), (245, 245, 240))
     draw = ImageDraw.Draw(image)
     box = (cx - r, cy - r, cx + r, cy + r)
@@ -43,11 +43,11 @@ def make_shapes(folder: str | Path, n: int, size: int = 32, seed: int = 0, frame
         cx, cy = rng.randint(r, size - r), rng.randint(r, size - r)
         if frames == 1:
             name, caption = f"{i:05d}.png", f"a {colour} {shape}"
-            _draw(size, colour, shape, cx, cy, r).save(folder / name)
+            draw_shape(size, colour, shape, cx, cy, r).save(folder / name)
         else:
             name, caption = f"{i:05d}.gif", f"a {colour} {shape} moving right"
             step = max(1, (size - 2 * r) // frames)
-            clip = [_draw(size, colour, shape, min(size - r, r + k * step), cy, r) for k in range(frames)]
+            clip = [draw_shape(size, colour, shape, min(size - r, r + k * step), cy, r) for k in range(frames)]
             clip[0].save(folder / name, save_all=True, append_images=clip[1:], duration=100, loop=0)
         lines.append(json.dumps({"file_name": name, "text": caption}))
     (folder / "metadata.jsonl").write_text("\n".join(lines) + "\n")

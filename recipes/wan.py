@@ -54,7 +54,7 @@ class WanFineTune(FlowMatchingFineTune):
 
     def predict(self, batch):
         x0 = batch["latents"]  # B, C, f, h, w
-        noise, t = self.noise_and_t(x0, batch["index"])
+        noise, t = self.draws(x0, batch)
         tb = t.view(-1, 1, 1, 1, 1)
         xt = (1 - tb) * x0 + tb * noise
         # Wan's scheduler counts timesteps in [0, 1000]

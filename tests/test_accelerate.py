@@ -452,6 +452,11 @@ def test_accelerate_launch_runs_the_recipe(tmp_path):
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "dp=1 x cp=2" in proc.stdout
+    # the bucket table knows the layout without a Trainer: 64 image and 32 text tokens at 32 px, 48 per CP rank
+    assert "cp=2):" in proc.stdout and "cp=1" not in proc.stdout, proc.stdout[-3000:]
+    with (out / "buckets.csv").open() as f:
+        (row,) = list(csv.DictReader(f))
+    assert (int(row["tokens_per_sample"]), int(row["tokens_per_cp_rank"])) == (96, 48)
     with (out / "loss.csv").open() as f:
         rows = list(csv.DictReader(f))
     assert [int(r["step"]) for r in rows] == [1, 2, 3]

@@ -46,18 +46,20 @@ PRESETS = {
 
 
 def family(config: Path) -> str:
-    return next((f for f in ("wan", "hunyuan") if f in config.name), "flux")
+    return next((f for f in ("wan", "hunyuan", "kontext") if f in config.name), "flux")
 
 
 def recipe(config: Path):
     """The (module, data) classes of a config's recipe."""
     from recipes.data import FluxData, HunyuanData, WanData
     from recipes.flux import FluxFineTune
+    from recipes.flux_kontext import FluxKontextData, FluxKontextFineTune
     from recipes.hunyuan import HunyuanFineTune
     from recipes.wan import WanFineTune
 
     return {
         "flux": (FluxFineTune, FluxData),
+        "kontext": (FluxKontextFineTune, FluxKontextData),
         "wan": (WanFineTune, WanData),
         "hunyuan": (HunyuanFineTune, HunyuanData),
     }[family(config)]

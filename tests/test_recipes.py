@@ -15,16 +15,22 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def run_recipe(
-    tmp_path: Path, name: str, *overrides: str, cache: Path | None = None, recipe: str = "flux", variant: str = ""
+    tmp_path: Path,
+    name: str,
+    *overrides: str,
+    cache: Path | None = None,
+    recipe: str = "flux",
+    variant: str = "",
+    env: dict | None = None,
 ) -> Path:
     """Run a tiny config (``tiny_{recipe}_{variant}cp2.yaml``) with every output under tmp_path; returns the run
-    folder."""
+    folder. ``env`` adds environment variables."""
     out = tmp_path / name
     default = ROOT / "configs" / f"tiny_{recipe}_{variant}cp2.yaml"
     text = default.read_text().replace(f"outputs/tiny_{recipe}_{variant}cp2", str(out))
     config = tmp_path / f"{name}.yaml"
     config.write_text(text.replace("outputs/", f"{cache or tmp_path}/"))
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
     cmd = [sys.executable, "-m", f"recipes.{recipe}", "fit", "--config", str(config), *overrides]
     result = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]

@@ -150,6 +150,71 @@ def test_the_progress_bar_total_of_a_run_resumed_inside_an_epoch():
     assert bar.total_train_batches == 36
 
 
+def test_a_run_without_a_terminal_prints_a_plain_progress_line_every_n_steps(tmp_path, capsys):
+    import re
+
+    import lightning as L
+    from lightning.pytorch.demos.boring_classes import BoringModel
+
+    from recipes.console import StepProgressBar
+
+    class Logged(BoringModel):
+        def training_step(self, batch, batch_idx):
+            out = super().training_step(batch, batch_idx)
+            self.log("train_loss", out["loss"], prog_bar=True)
+            return out
+
+    def fit(bar):
+        trainer = L.Trainer(
+            max_steps=7,
+            callbacks=[bar],
+            logger=False,
+            enable_checkpointing=False,
+            enable_model_summary=False,
+            default_root_dir=tmp_path,
+            limit_val_batches=0,
+        )
+        trainer.fit(Logged())
+        return capsys.readouterr().out
+
+    out = fit(StepProgressBar(every_n_steps=3))  # pytest's stdout is no terminal: plain lines
+    lines = [line for line in out.splitlines() if line.startswith("step ")]
+    assert [line.split()[1] for line in lines] == ["3/7", "6/7", "7/7"], out
+    pattern = r"^step \d+/7  train_loss -?\d+\.\d{4}  \d+\.\d{2} it/s  ETA \d+:\d{2}:\d{2}$"
+    assert all(re.match(pattern, line) for line in lines), lines
+    assert lines[-1].endswith("ETA 0:00:00")
+    assert not [
+        line for line in fit(StepProgressBar(every_n_steps=3, plain=False)).splitlines() if line.startswith("step ")
+    ]
+    with pytest.raises(ValueError, match="every_n_steps must be >= 1"):
+        StepProgressBar(every_n_steps=0)
+
+
+def test_resuming_with_another_max_steps_warns_when_the_schedule_changes_shape():
+    from types import SimpleNamespace
+
+    from recipes.checkpoints import schedule_change
+    from recipes.flux import FluxFineTune
+
+    cosine = {"lr_scheduler": "cosine", "warmup_steps": 0, "max_steps": 30}
+    assert schedule_change(cosine, cosine) is None
+    assert schedule_change(None, cosine) is None  # a checkpoint from before the schedule was recorded
+    constant = {**cosine, "lr_scheduler": "constant"}
+    assert schedule_change(constant, {**constant, "max_steps": 60}) is None  # no end to move
+    message = schedule_change(cosine, {**cosine, "max_steps": 60})
+    assert "cosine schedule written for max_steps=30 with max_steps=60" in message
+    assert "--trainer.max_steps 30" in message
+    assert "warmup_steps=0 under lr_scheduler='cosine', warmup_steps=5" in schedule_change(
+        cosine, {**cosine, "warmup_steps": 5}
+    )
+    # wired into the module's checkpoint loading (what Lightning calls on --ckpt_path)
+    module = FluxFineTune(lr_scheduler="linear")
+    module._trainer = SimpleNamespace(max_steps=60, strategy=SimpleNamespace(dp_size=1, cp=2))
+    saved = {**module.checkpoint_identity(), "schedule": {"lr_scheduler": "linear", "warmup_steps": 0, "max_steps": 30}}
+    with pytest.warns(UserWarning, match="linear schedule written for max_steps=30 with max_steps=60"):
+        module.on_load_checkpoint({"recipe": saved, "state_dict": {}})
+
+
 def test_wan22_a14b_experts_train_on_their_side_of_the_boundary():
     from recipes.wan import WanFineTune
 
