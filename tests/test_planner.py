@@ -13,7 +13,7 @@ import torch
 
 from cp_lightning.planner import CONFIGS, Hardware, Layout, Training, estimate, resolve_model, search
 from cp_lightning.planner.cli import run
-from cp_lightning.planner.trace import build_meta, fit_activations
+from cp_lightning.planner.trace import build_meta, cuda_kernels, fit_activations
 
 ROOT = Path(__file__).resolve().parents[1]
 GIB = 2**30
@@ -156,9 +156,9 @@ def _saved_bytes(model, inputs) -> int:
             storages[s.data_ptr()] = s.nbytes()
         return t
 
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    with cuda_kernels(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         out = model(**inputs, return_dict=False)[0]
-    out.float().square().mean().backward()
+        out.float().square().mean().backward()
     return sum(storages.values())
 
 
@@ -192,8 +192,8 @@ def test_traced_bytes_per_layer_match_autograd_on_cpu(tmp_path, lora_rank):
 
 @pytest.mark.parametrize("checkpointing", [False, True])
 def test_trace_on_meta_equals_the_same_count_on_real_cpu_tensors(tmp_path, checkpointing):
-    """Saved bytes and the forward + backward peak: the meta trace (flash-style attention stand-in) against the
-    live-storage count of a real CPU run (torch's own SDPA) of the same model."""
+    """Saved bytes and the forward + backward peak: the meta trace against the live-storage count of a real CPU
+    run of the same model with the same CUDA-kernel stand-ins (attention, fused RMSNorm)."""
     import diffusers
     from torch.multiprocessing.reductions import StorageWeakRef
 
@@ -211,7 +211,7 @@ def test_trace_on_meta_equals_the_same_count_on_real_cpu_tensors(tmp_path, check
         p.register_post_accumulate_grad_hook(lambda p: setattr(p, "grad", None))
     inputs = CASES["wan2.1"].inputs(model, torch.Generator().manual_seed(0), 1, 256, 16, torch.float32)
     counter = LiveBytes({StorageWeakRef(p.untyped_storage()) for p in model.parameters()})
-    with counter:
+    with cuda_kernels(), counter:
         loss = model.train()(**inputs, return_dict=False)[0].float().square().mean()
         saved = counter.live
         loss.backward()
@@ -223,22 +223,55 @@ def test_trace_on_meta_equals_the_same_count_on_real_cpu_tensors(tmp_path, check
 # ---------------------------------------------------------------- published figures (DESIGN section 8.3)
 
 
+def test_fused_rms_norm_stand_in_is_rms_norm_and_saves_what_the_cuda_kernel_saves():
+    """The trace's F.rms_norm stand-in: torch's values and gradients (fp32), and for backward only the input,
+    an fp32 rstd per row and the weight (aten::_fused_rms_norm on CUDA), where CPU keeps two fp32 copies."""
+    torch.manual_seed(0)
+    x = torch.randn(3, 7, 64, requires_grad=True)
+    w = torch.randn(64, requires_grad=True)
+    grad = torch.randn(3, 7, 64)
+    ref = torch.nn.functional.rms_norm(x, (64,), w, 1e-6)
+    ref_grads = torch.autograd.grad(ref, (x, w), grad)
+    with cuda_kernels():
+        out = torch.nn.functional.rms_norm(x, (64,), w, 1e-6)
+    assert torch.nn.functional.rms_norm.__module__ == "torch.nn.functional"  # restored on exit
+    grads = torch.autograd.grad(out, (x, w), grad)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
+    for a, b in zip(grads, ref_grads, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+    saved = []
+    xb = torch.randn(2, 16, 64, dtype=torch.bfloat16, device="meta", requires_grad=True)
+    wb = torch.ones(64, dtype=torch.bfloat16, device="meta", requires_grad=True)
+    with cuda_kernels(), torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        torch.nn.functional.rms_norm(xb, (64,), wb, 1e-6)
+    assert [(tuple(t.shape), t.dtype) for t in saved] == [
+        ((2, 16, 64), torch.bfloat16),
+        ((2, 16, 1), torch.float32),
+        ((64,), torch.bfloat16),
+    ]
+
+
+# ---------------------------------------------------------------- published figures (DESIGN section 8.3)
+
+
 def test_published_figures():
     # NeMo AutoModel Wan2.1-1.3B, 16,384 tokens, FSDP2 fp32 params / bf16 compute, no checkpointing, 8 GPUs:
-    # 54.9 GB at dp8 x cp1, 16.3 GB at dp2 x cp4. The absolute values are ~38% high (docs/planning.md says why
-    # we think so); their ratio is checked here.
+    # 54.9 GB at dp8 x cp1, 16.3 GB at dp2 x cp4, each within 15%. NeMo's figure is
+    # torch.cuda.max_memory_allocated / 2**30 (its recipe logs `mem` so), the planner's `gib_allocated`.
     common = ["--model", "wan2.1-t2v-1.3b", "--gpus", "8", "--gpu-memory", "80", "--tokens", "16384", "--fsdp", "on",
               "--checkpointing", "off"]  # fmt: skip
-    dp8 = plan(*common, "--dp", "8", "--cp", "1")["gib_per_gpu"]
-    dp2 = plan(*common, "--dp", "2", "--cp", "4")["gib_per_gpu"]
-    assert dp8 / dp2 == pytest.approx(54.9 / 16.3, rel=0.05)
-    # FastVideo HunyuanVideo 13B full fine-tune, sp=4, checkpointing, EMA, batch 1, ~38k tokens: 74.8 GB on 4 GPUs
+    dp8 = plan(*common, "--dp", "8", "--cp", "1")["gib_allocated"]
+    dp2 = plan(*common, "--dp", "2", "--cp", "4")["gib_allocated"]
+    assert dp8 == pytest.approx(54.9, rel=0.15)
+    assert dp2 == pytest.approx(16.3, rel=0.15)
+    # FastVideo HunyuanVideo 13B full fine-tune, sp=4, checkpointing, EMA, batch 1, ~38k tokens: 74.8 GB on 4
+    # GPUs, 47.1 on 8; the 4 -> 8 drop (what sharding the states over twice the GPUs saves) within 10%
     hy = ["--model", "hunyuanvideo", "--gpu-memory", "80", "--tokens", "38000", "--fsdp", "on", "--checkpointing",
           "on", "--ema", "--cp", "4"]  # fmt: skip
     four = plan(*hy, "--gpus", "4", "--dp", "1")["gib_per_gpu"]
     eight = plan(*hy, "--gpus", "8", "--dp", "2")["gib_per_gpu"]
+    assert four - eight == pytest.approx(74.8 - 47.1, rel=0.10)
     assert four == pytest.approx(74.8, rel=0.15)
-    assert eight == pytest.approx(47.1, rel=0.15)
     # Wan2.1-14B full fine-tune replicated (no FSDP) at 512x512x81 (21 x 32 x 32 tokens) on 80-141 GB GPUs: refused
     for memory in ("80", "141"):
         r = plan("--model", "wan2.1-t2v-14b", "--gpus", "8", "--gpu-memory", memory, "--tokens", "21504", "--fsdp",

@@ -10,7 +10,12 @@ M = states + FSDP in-flight + activations + CP buffers + fixed (``docs/planning.
   weights (DDP under bf16-mixed) are saved for backward too.
 - CP buffers: Ulysses' all-to-all send/receive copies of q, k, v (transient, one layer); our P2P ring's two
   K/V blocks in flight, its fp32 output/LSE merge and the travelling fp32 dK/dV.
-- fixed: CUDA context and communication buffers (stated parameters), and an allocator margin on the rest.
+- fixed: CUDA context and communication buffers (stated parameters), and an allocator margin on what is
+  allocated and freed every step (FSDP's gathers, activations, CP buffers): the states are allocated once and
+  do not fragment the caching allocator's segments.
+
+``Estimate.allocated`` is the part ``torch.cuda.max_memory_allocated`` counts (no context, communication
+buffers or margin); ``Estimate.total`` is what the device must hold.
 """
 
 from __future__ import annotations
@@ -36,7 +41,7 @@ class Hardware:
     nodes: int = 1
     cuda_context_gib: float = 0.75  # CUDA context + cuBLAS/cuDNN workspaces
     comm_buffers_gib: float = 0.5  # NCCL's buffers (DDP's buckets are gradient views)
-    allocator_margin: float = 0.10  # fragmentation: reserved over allocated
+    allocator_margin: float = 0.10  # fragmentation: reserved over allocated, of the per-step allocations
     tflops: float = 400.0  # effective bf16 throughput per GPU, for relative times only
     intra_node_gbps: float = 150.0  # GB/s per GPU inside a node (NVLink)
     inter_node_gbps: float = 25.0  # GB/s per GPU across nodes
@@ -155,8 +160,13 @@ class Estimate:
     fits: bool
 
     @property
+    def allocated(self) -> float:
+        """The allocator's peak: what ``torch.cuda.max_memory_allocated`` reports for the step."""
+        return self.states + self.fsdp_in_flight + self.activations + self.cp_buffers
+
+    @property
     def total(self) -> float:
-        return self.states + self.fsdp_in_flight + self.activations + self.cp_buffers + self.fixed + self.margin
+        return self.allocated + self.fixed + self.margin
 
     @property
     def gib_per_gpu(self) -> float:
@@ -166,6 +176,7 @@ class Estimate:
         return {
             "layout": asdict(self.layout),
             "gib_per_gpu": round(self.gib_per_gpu, 3),
+            "gib_allocated": round(self.allocated / GIB, 3),
             "gib": {
                 k: round(getattr(self, k) / GIB, 3)
                 for k in ("states", "fsdp_in_flight", "activations", "cp_buffers", "fixed", "margin")
@@ -227,7 +238,7 @@ def estimate(
     if layout.ring > 1:
         cp_buffers += 24 * hidden_bytes  # 2 K/V blocks bf16 + dK/dV fp32 in flight, fp32 out/LSE merge
     fixed = (hw.cuda_context_gib + hw.comm_buffers_gib) * GIB
-    margin = hw.allocator_margin * (states + in_flight + acts + cp_buffers)
+    margin = hw.allocator_margin * (in_flight + acts + cp_buffers)
     comm = _comm(spec, layout, c, hidden_bytes, tokens, text, training)
     step, sample = _time(spec, layout, hw, c, comm, tokens, text, lora)
     total = states + in_flight + acts + cp_buffers + fixed + margin

@@ -8,9 +8,14 @@ run: the bytes still alive at the end of forward (what autograd saved, plus the 
 forward + backward. Differences between the two- and three-block runs give each block kind's bytes; two token
 counts give bytes per token; :class:`ActivationFit` scales both to any layer count, batch and tokens per rank.
 
-Attention is traced as a flash kernel saves it (q, k, v, output, fp32 log-sum-exp: no S x S scores), since
-the meta device would otherwise take SDPA's math path; CP does not change the bytes per token of a block
-(Ulysses: S x H/u after the all-to-all, the same bytes as S/u x H), so the fit is per CP rank.
+The trace runs the kernels a CUDA device runs, not the CPU/meta decompositions (the planner plans for GPUs):
+attention as a flash kernel saves it (q, k, v, output, fp32 log-sum-exp: no S x S scores), where the meta
+device would take SDPA's math path; ``torch.nn.RMSNorm`` (Wan's and Flux's q/k norms) as CUDA's fused
+``aten::_fused_rms_norm`` saves it (the input, one fp32 rstd per row and the weight), where CPU and meta
+decompose it and keep two fp32 copies of the input (18 of the 91 bytes per token and hidden unit of a
+Wan2.1-1.3B block in bf16). diffusers' own ``RMSNorm`` class (HunyuanVideo, QwenImage) is Python ops on every
+device and is traced as it is. CP does not change the bytes per token of a block (Ulysses: S x H/u after the
+all-to-all, the same bytes as S/u x H), so the fit is per CP rank.
 """
 
 from __future__ import annotations
@@ -80,14 +85,52 @@ def _flash_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=Fals
     return _FlashAttention.apply(query, key, value)
 
 
+class _FusedRMSNorm(torch.autograd.Function):
+    """What CUDA's fused RMSNorm keeps for backward: the input, an fp32 rstd per row and the weight.
+
+    The values are exact (fp32 statistics, as the kernel computes them), so the stand-in also runs on real CPU
+    tensors; its backward is the RMSNorm derivative: dx = rstd * (g*w - x_hat * mean(g*w * x_hat)).
+    """
+
+    @staticmethod
+    def forward(ctx, x, normalized_shape, weight, eps):
+        dims = tuple(range(-len(normalized_shape), 0))
+        eps = torch.finfo(torch.float32).eps if eps is None else eps
+        rstd = torch.rsqrt(x.float().pow(2).mean(dims, keepdim=True) + eps)  # rows x 1, fp32
+        out = (x.float() * rstd).to(x.dtype)
+        if weight is not None:
+            out = out * weight
+        ctx.dims = dims
+        ctx.save_for_backward(x, rstd, weight)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, rstd, weight = ctx.saved_tensors
+        x_hat = x.float() * rstd
+        g = grad.float() if weight is None else grad.float() * weight.float()
+        dx = rstd * (g - x_hat * (g * x_hat).mean(ctx.dims, keepdim=True))
+        dw = None
+        if weight is not None and ctx.needs_input_grad[2]:
+            reduce = tuple(range(grad.dim() - weight.dim()))
+            dw = (grad.float() * x_hat).sum(reduce).to(weight.dtype)
+        return dx.to(x.dtype), None, dw, None
+
+
+def _fused_rms_norm(input, normalized_shape, weight=None, eps=None):
+    return _FusedRMSNorm.apply(input, tuple(normalized_shape), weight, eps)
+
+
 @contextlib.contextmanager
-def _flash_attention():
-    original = torch.nn.functional.scaled_dot_product_attention
-    torch.nn.functional.scaled_dot_product_attention = _flash_sdpa
+def cuda_kernels():
+    """Attention and ``F.rms_norm`` as the CUDA kernels save them (module docstring), for the trace's duration."""
+    functional = torch.nn.functional
+    originals = functional.scaled_dot_product_attention, functional.rms_norm
+    functional.scaled_dot_product_attention, functional.rms_norm = _flash_sdpa, _fused_rms_norm
     try:
         yield
     finally:
-        torch.nn.functional.scaled_dot_product_attention = original
+        functional.scaled_dot_product_attention, functional.rms_norm = originals
 
 
 def build_meta(spec: ModelSpec, layers: dict[str, int], *, lora_rank: int, dtype: torch.dtype) -> torch.nn.Module:
@@ -199,7 +242,7 @@ def _trace(name, config_key, spec, layers, tokens, text_tokens, batch, lora_rank
             p.register_post_accumulate_grad_hook(lambda p: setattr(p, "grad", None))
     inputs = make_inputs(spec, model, batch=batch, tokens=tokens, text_tokens=text_tokens, dtype=dtype)
     counter = LiveBytes(ignore)
-    with _flash_attention(), counter:
+    with cuda_kernels(), counter:
         out = model(**inputs, return_dict=False)[0]
         loss = out.float().square().mean()
         saved = counter.live
