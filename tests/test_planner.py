@@ -367,6 +367,16 @@ def test_cp_auto_picks_the_smallest_cp_that_fits_and_trains_like_it_by_hand(tmp_
     assert refused.returncode != 0 and "no layout fits" in refused.stderr
 
 
+def test_fabric_refuses_cp_auto_at_construction():
+    """Fabric builds the mesh before it sees the model or data: cp='auto' is a clear error, before any process."""
+    from cp_lightning import FabricContextParallelStrategy
+
+    with pytest.raises(
+        ValueError, match=r"cp='auto' is not supported by FabricContextParallelStrategy.*cp_lightning\.plan"
+    ):
+        FabricContextParallelStrategy(cp="auto")
+
+
 def test_auto_batch_sizes_and_the_grouped_sampler():
     """batch_size: auto: about the largest bucket's tokens per step, no more than the samples allow, capped by
     memory; every step's dp ranks get the same bucket and batch size (DDP's mean is then the per-sample mean)."""
