@@ -39,6 +39,7 @@ class Hardware:
     gpus: int
     gpu_memory_gib: float
     nodes: int = 1
+    device: str = "cuda"  # whose kernels the activations are traced with ("cpu": the CPU checks' processes)
     cuda_context_gib: float = 0.75  # CUDA context + cuBLAS/cuDNN workspaces
     comm_buffers_gib: float = 0.5  # NCCL's buffers (DDP's buckets are gradient views)
     allocator_margin: float = 0.10  # fragmentation: reserved over allocated, of the per-step allocations
@@ -125,16 +126,19 @@ def counts(spec: ModelSpec, lora_rank: int) -> Counts:
 
 
 @functools.lru_cache(maxsize=64)
-def _fit(spec_key: str, spec: ModelSpec, lora_rank: int, checkpointing: bool, text_tokens: int, dtype):
+def _fit(spec_key: str, spec: ModelSpec, lora_rank: int, checkpointing: bool, text_tokens: int, dtype, device):
     from cp_lightning.planner.trace import fit_activations
 
-    return fit_activations(spec, lora_rank=lora_rank, checkpointing=checkpointing, text_tokens=text_tokens, dtype=dtype)
+    return fit_activations(spec, lora_rank=lora_rank, checkpointing=checkpointing, text_tokens=text_tokens, dtype=dtype,
+                           device=device)  # fmt: skip
 
 
-def activation_fit(spec: ModelSpec, lora_rank: int, checkpointing: bool, text_tokens: int, dtype=torch.bfloat16):
+def activation_fit(
+    spec: ModelSpec, lora_rank: int, checkpointing: bool, text_tokens: int, dtype=torch.bfloat16, device="cuda"
+):
     import json
 
-    return _fit(json.dumps(spec.config, sort_keys=True), spec, lora_rank, checkpointing, text_tokens, dtype)
+    return _fit(json.dumps(spec.config, sort_keys=True), spec, lora_rank, checkpointing, text_tokens, dtype, device)
 
 
 def local_tokens(spec: ModelSpec, tokens: int, text_tokens: int, cp: int) -> int:
@@ -215,9 +219,10 @@ def estimate(
     # -- activations (bytes per CP rank from the trace)
     # activations in the compute dtype: bf16 under bf16 precision, fp32 for 32-true
     compute = torch.float32 if training.precision.startswith("32") else torch.bfloat16
-    fit = activation_fit(spec, lora, layout.checkpointing, text, compute)
+    fit = activation_fit(spec, lora, layout.checkpointing, text, compute, hw.device)
     t_local = local_tokens(spec, tokens, text, layout.cp)
-    saved, peak = fit.bytes(spec.layers, t_local, layout.batch)
+    full = local_tokens(spec, tokens, text, 1) if layout.cp > 1 else None
+    saved, peak = fit.bytes(spec.layers, t_local, layout.batch, full)
     acts = peak
     if layout.offload:
         # the checkpointed blocks' inputs live in host memory; one block's stay while it recomputes
@@ -233,10 +238,11 @@ def estimate(
     # -- CP buffers (one layer at a time)
     hidden_bytes = layout.batch * t_local * spec.hidden
     cp_buffers = 0.0
+    half = 2 if compute == torch.float32 else 1  # the buffers are in the compute dtype (bf16: 2 B)
     if layout.ulysses > 1:
-        cp_buffers = max(cp_buffers, 12 * hidden_bytes)  # q, k, v send + receive copies in bf16
+        cp_buffers = max(cp_buffers, 12 * half * hidden_bytes)  # q, k, v send + receive copies
     if layout.ring > 1:
-        cp_buffers += 24 * hidden_bytes  # 2 K/V blocks bf16 + dK/dV fp32 in flight, fp32 out/LSE merge
+        cp_buffers += (8 * half + 16) * hidden_bytes  # 2 K/V blocks + dK/dV fp32 in flight, fp32 out/LSE merge
     fixed = (hw.cuda_context_gib + hw.comm_buffers_gib) * GIB
     margin = hw.allocator_margin * (in_flight + acts + cp_buffers)
     comm = _comm(spec, layout, c, hidden_bytes, tokens, text, training)
