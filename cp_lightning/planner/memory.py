@@ -5,7 +5,8 @@ M = states + FSDP in-flight + activations + CP buffers + fixed (``docs/planning.
 - states: trainable weights in ``params_dtype`` with gradients in the same dtype and AdamW's two moments (16 B
   per weight in fp32), an optional EMA copy, the frozen base (LoRA) in ``base_dtype``; sharded over dp x cp
   (FSDP), over cp (HSDP) or replicated (DDP).
-- FSDP in-flight: (1 + prefetch) gathered blocks in bf16 and one block's unsharded fp32 gradients.
+- FSDP in-flight: (2 + prefetch) gathered blocks in bf16 (the one in use, the prefetched one, the all-gather's
+  flat output while it is copied out), the root unit's parameters and one block's unsharded fp32 gradients.
 - activations: :mod:`cp_lightning.planner.trace` at tokens per CP rank; autocast's bf16 copies of fp32
   weights (DDP under bf16-mixed) are saved for backward too.
 - CP buffers: Ulysses' all-to-all send/receive copies of q, k, v (transient, one layer); our P2P ring's two
@@ -92,6 +93,7 @@ class Counts:
     trainable: int
     block_max: int  # the largest block's parameters
     block_trainable_max: int
+    outside_blocks: int  # the root FSDP unit's parameters (embeddings, modulation, head)
     linear_in_blocks: int  # weights of the blocks' linear layers (the matmul FLOPs)
     attention_layers: int  # layers whose attention CP splits
 
@@ -116,7 +118,15 @@ def _counts(spec_key: str, spec: ModelSpec, lora_rank: int) -> Counts:
             for n, m in b.named_modules()
             if isinstance(m, torch.nn.Linear) and "lora_" not in n
         )
-    return Counts(total, trainable, max(block_sizes), max(block_train), linear, len(blocks))
+    return Counts(
+        total=total,
+        trainable=trainable,
+        block_max=max(block_sizes),
+        block_trainable_max=max(block_train),
+        outside_blocks=total - sum(block_sizes),
+        linear_in_blocks=linear,
+        attention_layers=len(blocks),
+    )
 
 
 def counts(spec: ModelSpec, lora_rank: int) -> Counts:
@@ -210,12 +220,16 @@ def estimate(
     # -- states
     per_trainable = p_bytes * 4 + (p_bytes if training.ema else 0)  # weight, grad, 2 AdamW moments, EMA
     states = (c.trainable * per_trainable + frozen * BYTES[layout.base_dtype]) / shard
-    # -- FSDP in-flight: gathered bf16 blocks and one block's unsharded fp32 gradients before reduce-scatter
+    # -- FSDP in-flight: the gathered block in use, the prefetched one and the all-gather's flat output (FSDP2
+    # copies it out into the block's parameters, so a block is held twice while it lands), in bf16; the root
+    # unit's parameters, gathered through forward and backward (not resharded after forward); one block's
+    # unsharded fp32 gradients before the reduce-scatter
     mixed = training.precision.startswith("bf16") or training.precision.startswith("16")
     in_flight = 0.0
     if layout.fsdp != "off":
         gathered = 2 if mixed else p_bytes  # MixedPrecisionPolicy gathers in bf16
-        in_flight = (1 + training.prefetch) * c.block_max * gathered + c.block_trainable_max * 4
+        in_flight = (2 + training.prefetch) * c.block_max * gathered + c.outside_blocks * gathered
+        in_flight += c.block_trainable_max * 4
     # -- activations (bytes per CP rank from the trace)
     # activations in the compute dtype: bf16 under bf16 precision, fp32 for 32-true
     compute = torch.float32 if training.precision.startswith("32") else torch.bfloat16
