@@ -1,96 +1,185 @@
-"""The planner's predicted training-step memory against a measured CPU step (one process, fp32).
+"""The planner's predicted training-step memory per rank against a measured one, on CPU, in 4 processes.
 
     PYTHONPATH=. python benchmarks/planner_check.py
 
-For a tiny and a ~110M-parameter Wan-architecture transformer, with and without gradient checkpointing, a
-full fine-tune step (forward, loss, backward) is measured after a warm-up step with AdamW: the peak resident
-memory above what is held before the step (benchmarks/common.py's CPU meter: VmHWM after clear_refs, glibc
-serving large blocks by mmap), which is the step's activations plus the parameter gradients it allocates.
-The planner's prediction for the same config, tokens and fp32 ("32-true", cp=1, no fixed overheads, no
-allocator margin) is its activation peak plus 4 bytes per parameter of gradients. Multi-process layouts
-(cp 2/4, FSDP) are not measured here.
+One spawned group of 4 gloo processes runs every row: a tiny Wan-architecture transformer (full fine-tune,
+activations dominate) and a 110M-parameter one (LoRA rank 4 on a fp32 frozen base, states dominate), at
+cp 1, 2 and 4 (dp = 4 / cp), wrapped by DDP (with the exact SUM-cp / MEAN-dp hook) or FSDP2 over dp x cp,
+with diffusers' gradient checkpointing off and on; fp32 throughout ("32-true"), AdamW.
+
+Measured: the most bytes of tensor storage alive at once on a rank during one training step (forward, an fp32
+loss on the gathered output, backward, AdamW's step) after a warm-up step, counted by a TorchDispatchMode that
+sees every storage the rank creates from before the model is built (``cp_lightning.planner.trace.LiveBytes``:
+parameters, gradients, AdamW's moments, DDP's buckets, FSDP's gathered blocks, activations, the collectives'
+buffers) and follows FSDP2's in-place frees of its gathered parameters; the largest rank of the row.
+Predicted: the planner's ``Estimate.allocated`` for the same model,
+layout and tokens (states + FSDP in-flight + activations + CP buffers: what ``torch.cuda.max_memory_allocated``
+would count), with no CUDA context, communication buffers or allocator margin, which a CPU process has not.
 """
 
 from __future__ import annotations
 
+import argparse
+import contextlib
+import gc
 import json
-import os
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-MODELS = {
-    "tiny (0.6M)": dict(
-        num_attention_heads=2, attention_head_dim=32, ffn_dim=256, text_dim=64, freq_dim=32, num_layers=2
-    ),
-    "110M": dict(
-        num_attention_heads=12, attention_head_dim=64, ffn_dim=3072, text_dim=512, freq_dim=256, num_layers=12
-    ),
-}
+WORLD = 4
+MODELS = {  # name: (Wan config overrides, LoRA rank, video tokens, text tokens)
+    "tiny": (dict(num_attention_heads=4, attention_head_dim=16, ffn_dim=256, text_dim=64, freq_dim=32, num_layers=2),
+             0, 2048, 32),
+    "110M": (dict(num_attention_heads=12, attention_head_dim=64, ffn_dim=3072, text_dim=512, freq_dim=256,
+                  num_layers=12), 4, 128, 32),
+}  # fmt: skip
+ROWS = [(m, cp, mode) for m in MODELS for cp in (1, 2, 4) for mode in ("ddp", "fsdp")]
 
 
-def _worker(config_path: str, tokens: int, text: int, checkpointing: bool) -> dict:
+def config(name: str) -> dict:
+    from cp_lightning.planner.architectures import CONFIGS
+
+    return dict(CONFIGS["wan2.1-t2v-1.3b"], **MODELS[name][0])
+
+
+def _measure(rank: int, world: int, rows: list) -> list[dict]:
+    """Per (model, cp, mode): one build, a warm-up step, then a measured step with checkpointing off and on."""
+    return [_row(name, cp, mode) for name, cp, mode in rows]
+
+
+@contextlib.contextmanager
+def _fsdp_resizes(counter):
+    """FSDP2 frees and re-allocates its gathered parameters by resizing their storages in place (torch's
+    ``_fsdp_param.free_storage`` / ``alloc_storage``, outside any op the counter sees): tell the counter."""
+    from torch.distributed.fsdp._fully_shard import _fsdp_param, _fsdp_param_group
+
+    originals = _fsdp_param.alloc_storage, _fsdp_param.free_storage
+
+    def follow(resize):
+        def wrapper(tensor):
+            resize(tensor)
+            counter.resized(tensor.untyped_storage())
+
+        return wrapper
+
+    _fsdp_param.alloc_storage, _fsdp_param.free_storage = (follow(f) for f in originals)
+    _fsdp_param_group.alloc_storage = _fsdp_param.alloc_storage
+    try:
+        yield
+    finally:
+        _fsdp_param.alloc_storage, _fsdp_param.free_storage = originals
+        _fsdp_param_group.alloc_storage = originals[0]
+
+
+def _row(name: str, cp: int, mode: str) -> dict:
     import diffusers
     import torch
 
-    from benchmarks.common import Meter
+    from cp_lightning import build_mesh, data_parallel, parallelize
     from cp_lightning.models import CASES
+    from cp_lightning.planner.trace import LiveBytes
 
-    torch.manual_seed(0)
-    config = {k: v for k, v in json.loads(Path(config_path).read_text()).items() if not k.startswith("_")}
-    model = diffusers.WanTransformer3DModel(**config).train()
-    if checkpointing:
-        model.enable_gradient_checkpointing()
-    inputs = CASES["wan2.1"].inputs(model, torch.Generator().manual_seed(0), 1, tokens, text, torch.float32)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    _, lora_rank, tokens, text = MODELS[name]
+    gc.collect()
+    counter = LiveBytes(set())  # every storage created from here on, while it lives
+    out = {}
+    with counter, _fsdp_resizes(counter):
+        torch.manual_seed(0)
+        cfg = {k: v for k, v in config(name).items() if not k.startswith("_")}
+        model = diffusers.WanTransformer3DModel(**cfg).train()
+        if lora_rank:
+            from peft import LoraConfig
 
-    def step():
-        out = model(**inputs, return_dict=False)[0]
-        out.float().square().mean().backward()
+            from cp_lightning.planner.architectures import resolve_model
 
-    step()
-    optimizer.step()
-    model.zero_grad(set_to_none=True)
-    meter = Meter(torch.device("cpu"))
-    peaks = []
-    for _ in range(2):
-        meter.start()
-        step()
-        peaks.append(meter.peak())
-        model.zero_grad(set_to_none=True)
-    return {"peak": min(peaks), "params": sum(p.numel() for p in model.parameters())}
+            targets = list(resolve_model("wan2.1-t2v-1.3b").family.lora_targets)
+            model.requires_grad_(False)
+            model.add_adapter(LoraConfig(r=lora_rank, lora_alpha=lora_rank, target_modules=targets))
+        mesh = build_mesh(cp, device_type="cpu")
+        parallelize(model, mesh=mesh)
+        if mode == "ddp":
+            wrapped = torch.nn.parallel.DistributedDataParallel(model)
+            data_parallel.register_ddp_hook(wrapped, mesh["dp"].size(), loss_parallel=False)
+        else:
+            options = data_parallel.FSDPOptions()
+            wrapped = data_parallel.apply_fsdp(model, mesh=mesh, plan=None, options=options, loss_parallel=False)
+        optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
+        inputs = CASES["wan2.1"].inputs(model, torch.Generator().manual_seed(0), 1, tokens, text, torch.float32)
+
+        def step():
+            loss = wrapped(**inputs, return_dict=False)[0].float().square().mean()
+            loss.backward()
+            del loss
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+
+        step()  # AdamW's moments exist from here on
+        for checkpointing in (False, True):
+            if checkpointing:
+                model.enable_gradient_checkpointing()
+            gc.collect()
+            counter.peak = counter.live
+            step()
+            out[checkpointing] = counter.peak
+    return {"model": name, "cp": cp, "mode": mode, "peak": out}
 
 
-def main() -> None:
-    from benchmarks.common import table
+def predicted(name: str, cp: int, mode: str, checkpointing: bool) -> float:
+    """The planner's allocator peak for a row, in bytes."""
     from cp_lightning.planner import Hardware, Layout, Training, estimate, resolve_model
 
-    if len(sys.argv) > 1 and sys.argv[1] == "--worker":
-        print(json.dumps(_worker(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), sys.argv[5] == "1")))
-        return
-    from cp_lightning.planner.architectures import CONFIGS
+    _, lora_rank, tokens, text = MODELS[name]
+    path = Path(tempfile.mkdtemp()) / "config.json"
+    path.write_text(json.dumps(config(name)))
+    spec = resolve_model(str(path))
+    layout = Layout(WORLD // cp, cp, fsdp="full" if mode == "fsdp" else "off", checkpointing=checkpointing,
+                    base_dtype="float32")  # fmt: skip
+    hw = Hardware(gpus=WORLD, gpu_memory_gib=1e3, device="cpu")
+    training = Training(lora_rank=lora_rank, precision="32-true")
+    return estimate(spec, layout, hw, training, tokens, text).allocated
 
-    rows = []
-    tokens, text = 4096, 64
-    for name, sizes in MODELS.items():
-        path = Path(tempfile.mkdtemp()) / "config.json"
-        path.write_text(json.dumps(dict(CONFIGS["wan2.1-t2v-1.3b"], **sizes)))
-        spec = resolve_model(str(path))
-        hw = Hardware(gpus=1, gpu_memory_gib=1e3, cuda_context_gib=0.0, comm_buffers_gib=0.0, allocator_margin=0.0)
-        for ckpt in (False, True):
-            env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "OMP_NUM_THREADS": "1"}
-            cmd = [sys.executable, __file__, "--worker", str(path), str(tokens), str(text), "1" if ckpt else "0"]
-            out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True)
-            got = json.loads(out.stdout.strip().splitlines()[-1])
-            e = estimate(spec, Layout(1, 1, checkpointing=ckpt), hw, Training(precision="32-true"), tokens, text)
-            predicted = e.activations + 4 * got["params"]
-            rows.append([name, "on" if ckpt else "off", f"{got['peak'] / 2**20:.1f}", f"{predicted / 2**20:.1f}",
-                         f"{predicted / got['peak'] - 1:+.1%}"])  # fmt: skip
-    print(f"Wan-architecture full fine-tune step, {tokens} video + {text} text tokens, batch 1, fp32, 1 CPU process\n")
-    print(table(["model", "checkpointing", "measured MiB", "predicted MiB", "error"], rows))
+
+def run(rows: list | None = None) -> list[dict]:
+    """Measured and predicted bytes per row (the largest rank's peak), in one spawned group of 4 processes."""
+    from tests.distributed import spawn
+
+    rows = ROWS if rows is None else rows
+    per_rank = spawn(_measure, WORLD, rows, timeout_s=1800)
+    out = []
+    for i, (name, cp, mode) in enumerate(rows):
+        for checkpointing in (False, True):
+            measured = max(r[i]["peak"][checkpointing] for r in per_rank)
+            pred = predicted(name, cp, mode, checkpointing)
+            out.append({"model": name, "cp": cp, "mode": mode, "checkpointing": checkpointing,
+                        "measured": measured, "predicted": pred, "error": pred / measured - 1})  # fmt: skip
+    return out
+
+
+def render(results: list[dict]) -> str:
+    from benchmarks.common import table
+
+    rows = [[r["model"], f"dp{WORLD // r['cp']} x cp{r['cp']}", r["mode"].upper(), "on" if r["checkpointing"] else
+             "off", f"{r['measured'] / 2**20:.1f}", f"{r['predicted'] / 2**20:.1f}", f"{r['error']:+.1%}"]
+            for r in results]  # fmt: skip
+    head = ["model", "layout", "wrap", "checkpointing", "measured MiB", "predicted MiB", "error"]
+    return table(head, rows)
+
+
+def main(argv=None) -> list[dict]:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.parse_args(argv)
+    results = run()
+    tiny, big = (MODELS[m] for m in ("tiny", "110M"))
+    print(
+        f"Wan-architecture training step per rank, 4 CPU processes (gloo), fp32, AdamW, batch 1; tiny: full "
+        f"fine-tune, {tiny[2]} video + {tiny[3]} text tokens; 110M: LoRA rank {big[1]}, {big[2]} + {big[3]} "
+        "tokens. Measured: peak bytes of live tensor storage on the rank over one step (largest rank).\n"
+    )
+    print(render(results))
+    return results
 
 
 if __name__ == "__main__":

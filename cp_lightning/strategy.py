@@ -100,8 +100,6 @@ class _ContextParallel:
     def _choose_cp(self) -> None:
         from cp_lightning.planner import auto
 
-        if not hasattr(self, "_plan_hints"):
-            raise ValueError("cp='auto' is a ContextParallelStrategy (Lightning) option: give Fabric a number.")
         chosen = auto.choose(self, **self._plan_hints)
         self.cp, self.ring = chosen.layout.cp, chosen.layout.ring
         if self.global_rank == 0:
@@ -527,6 +525,15 @@ class FabricContextParallelStrategy(_ContextParallel, FabricDDPStrategy):
         activation_offload: bool = False,
         **kwargs: Any,
     ) -> None:
+        if cp == "auto":
+            # the mesh is built at fabric.launch(), before fabric.setup(model) shows the model or any data
+            raise ValueError(
+                "cp='auto' is not supported by FabricContextParallelStrategy: Fabric builds the mesh at "
+                "fabric.launch(), before the model and the data are known. Plan the layout first (python -m "
+                "cp_lightning.plan --model NAME --gpus N --gpu-memory GIB --tokens T ... --json, or "
+                "cp_lightning.planner.search) and pass its cp and ring; ContextParallelStrategy (Lightning) "
+                "takes cp='auto'."
+            )
         self._init_cp(cp, ring, plan, loss_parallel, kernel, allow_cross_node, check_steps)
         self._init_fsdp(fsdp, reshard_after_forward, cpu_offload, hsdp, fsdp_blocks)
         self._init_compile(compile, activation_offload)

@@ -5,12 +5,18 @@ M = states + FSDP in-flight + activations + CP buffers + fixed (``docs/planning.
 - states: trainable weights in ``params_dtype`` with gradients in the same dtype and AdamW's two moments (16 B
   per weight in fp32), an optional EMA copy, the frozen base (LoRA) in ``base_dtype``; sharded over dp x cp
   (FSDP), over cp (HSDP) or replicated (DDP).
-- FSDP in-flight: (1 + prefetch) gathered blocks in bf16 and one block's unsharded fp32 gradients.
+- FSDP in-flight: (2 + prefetch) gathered blocks in bf16 (the one in use, the prefetched one, the all-gather's
+  flat output while it is copied out), the root unit's parameters and one block's unsharded fp32 gradients.
 - activations: :mod:`cp_lightning.planner.trace` at tokens per CP rank; autocast's bf16 copies of fp32
   weights (DDP under bf16-mixed) are saved for backward too.
 - CP buffers: Ulysses' all-to-all send/receive copies of q, k, v (transient, one layer); our P2P ring's two
   K/V blocks in flight, its fp32 output/LSE merge and the travelling fp32 dK/dV.
-- fixed: CUDA context and communication buffers (stated parameters), and an allocator margin on the rest.
+- fixed: CUDA context and communication buffers (stated parameters), and an allocator margin on what is
+  allocated and freed every step (FSDP's gathers, activations, CP buffers): the states are allocated once and
+  do not fragment the caching allocator's segments.
+
+``Estimate.allocated`` is the part ``torch.cuda.max_memory_allocated`` counts (no context, communication
+buffers or margin); ``Estimate.total`` is what the device must hold.
 """
 
 from __future__ import annotations
@@ -34,9 +40,10 @@ class Hardware:
     gpus: int
     gpu_memory_gib: float
     nodes: int = 1
+    device: str = "cuda"  # whose kernels the activations are traced with ("cpu": the CPU checks' processes)
     cuda_context_gib: float = 0.75  # CUDA context + cuBLAS/cuDNN workspaces
     comm_buffers_gib: float = 0.5  # NCCL's buffers (DDP's buckets are gradient views)
-    allocator_margin: float = 0.10  # fragmentation: reserved over allocated
+    allocator_margin: float = 0.10  # fragmentation: reserved over allocated, of the per-step allocations
     tflops: float = 400.0  # effective bf16 throughput per GPU, for relative times only
     intra_node_gbps: float = 150.0  # GB/s per GPU inside a node (NVLink)
     inter_node_gbps: float = 25.0  # GB/s per GPU across nodes
@@ -86,6 +93,7 @@ class Counts:
     trainable: int
     block_max: int  # the largest block's parameters
     block_trainable_max: int
+    outside_blocks: int  # the root FSDP unit's parameters (embeddings, modulation, head)
     linear_in_blocks: int  # weights of the blocks' linear layers (the matmul FLOPs)
     attention_layers: int  # layers whose attention CP splits
 
@@ -110,7 +118,15 @@ def _counts(spec_key: str, spec: ModelSpec, lora_rank: int) -> Counts:
             for n, m in b.named_modules()
             if isinstance(m, torch.nn.Linear) and "lora_" not in n
         )
-    return Counts(total, trainable, max(block_sizes), max(block_train), linear, len(blocks))
+    return Counts(
+        total=total,
+        trainable=trainable,
+        block_max=max(block_sizes),
+        block_trainable_max=max(block_train),
+        outside_blocks=total - sum(block_sizes),
+        linear_in_blocks=linear,
+        attention_layers=len(blocks),
+    )
 
 
 def counts(spec: ModelSpec, lora_rank: int) -> Counts:
@@ -120,16 +136,19 @@ def counts(spec: ModelSpec, lora_rank: int) -> Counts:
 
 
 @functools.lru_cache(maxsize=64)
-def _fit(spec_key: str, spec: ModelSpec, lora_rank: int, checkpointing: bool, text_tokens: int, dtype):
+def _fit(spec_key: str, spec: ModelSpec, lora_rank: int, checkpointing: bool, text_tokens: int, dtype, device):
     from cp_lightning.planner.trace import fit_activations
 
-    return fit_activations(spec, lora_rank=lora_rank, checkpointing=checkpointing, text_tokens=text_tokens, dtype=dtype)
+    return fit_activations(spec, lora_rank=lora_rank, checkpointing=checkpointing, text_tokens=text_tokens, dtype=dtype,
+                           device=device)  # fmt: skip
 
 
-def activation_fit(spec: ModelSpec, lora_rank: int, checkpointing: bool, text_tokens: int, dtype=torch.bfloat16):
+def activation_fit(
+    spec: ModelSpec, lora_rank: int, checkpointing: bool, text_tokens: int, dtype=torch.bfloat16, device="cuda"
+):
     import json
 
-    return _fit(json.dumps(spec.config, sort_keys=True), spec, lora_rank, checkpointing, text_tokens, dtype)
+    return _fit(json.dumps(spec.config, sort_keys=True), spec, lora_rank, checkpointing, text_tokens, dtype, device)
 
 
 def local_tokens(spec: ModelSpec, tokens: int, text_tokens: int, cp: int) -> int:
@@ -155,8 +174,13 @@ class Estimate:
     fits: bool
 
     @property
+    def allocated(self) -> float:
+        """The allocator's peak: what ``torch.cuda.max_memory_allocated`` reports for the step."""
+        return self.states + self.fsdp_in_flight + self.activations + self.cp_buffers
+
+    @property
     def total(self) -> float:
-        return self.states + self.fsdp_in_flight + self.activations + self.cp_buffers + self.fixed + self.margin
+        return self.allocated + self.fixed + self.margin
 
     @property
     def gib_per_gpu(self) -> float:
@@ -166,6 +190,7 @@ class Estimate:
         return {
             "layout": asdict(self.layout),
             "gib_per_gpu": round(self.gib_per_gpu, 3),
+            "gib_allocated": round(self.allocated / GIB, 3),
             "gib": {
                 k: round(getattr(self, k) / GIB, 3)
                 for k in ("states", "fsdp_in_flight", "activations", "cp_buffers", "fixed", "margin")
@@ -195,18 +220,23 @@ def estimate(
     # -- states
     per_trainable = p_bytes * 4 + (p_bytes if training.ema else 0)  # weight, grad, 2 AdamW moments, EMA
     states = (c.trainable * per_trainable + frozen * BYTES[layout.base_dtype]) / shard
-    # -- FSDP in-flight: gathered bf16 blocks and one block's unsharded fp32 gradients before reduce-scatter
+    # -- FSDP in-flight: the gathered block in use, the prefetched one and the all-gather's flat output (FSDP2
+    # copies it out into the block's parameters, so a block is held twice while it lands), in bf16; the root
+    # unit's parameters, gathered through forward and backward (not resharded after forward); one block's
+    # unsharded fp32 gradients before the reduce-scatter
     mixed = training.precision.startswith("bf16") or training.precision.startswith("16")
     in_flight = 0.0
     if layout.fsdp != "off":
         gathered = 2 if mixed else p_bytes  # MixedPrecisionPolicy gathers in bf16
-        in_flight = (1 + training.prefetch) * c.block_max * gathered + c.block_trainable_max * 4
+        in_flight = (2 + training.prefetch) * c.block_max * gathered + c.outside_blocks * gathered
+        in_flight += c.block_trainable_max * 4
     # -- activations (bytes per CP rank from the trace)
     # activations in the compute dtype: bf16 under bf16 precision, fp32 for 32-true
     compute = torch.float32 if training.precision.startswith("32") else torch.bfloat16
-    fit = activation_fit(spec, lora, layout.checkpointing, text, compute)
+    fit = activation_fit(spec, lora, layout.checkpointing, text, compute, hw.device)
     t_local = local_tokens(spec, tokens, text, layout.cp)
-    saved, peak = fit.bytes(spec.layers, t_local, layout.batch)
+    full = local_tokens(spec, tokens, text, 1) if layout.cp > 1 else None
+    saved, peak = fit.bytes(spec.layers, t_local, layout.batch, full)
     acts = peak
     if layout.offload:
         # the checkpointed blocks' inputs live in host memory; one block's stay while it recomputes
@@ -222,12 +252,13 @@ def estimate(
     # -- CP buffers (one layer at a time)
     hidden_bytes = layout.batch * t_local * spec.hidden
     cp_buffers = 0.0
+    half = 2 if compute == torch.float32 else 1  # the buffers are in the compute dtype (bf16: 2 B)
     if layout.ulysses > 1:
-        cp_buffers = max(cp_buffers, 12 * hidden_bytes)  # q, k, v send + receive copies in bf16
+        cp_buffers = max(cp_buffers, 12 * half * hidden_bytes)  # q, k, v send + receive copies
     if layout.ring > 1:
-        cp_buffers += 24 * hidden_bytes  # 2 K/V blocks bf16 + dK/dV fp32 in flight, fp32 out/LSE merge
+        cp_buffers += (8 * half + 16) * hidden_bytes  # 2 K/V blocks + dK/dV fp32 in flight, fp32 out/LSE merge
     fixed = (hw.cuda_context_gib + hw.comm_buffers_gib) * GIB
-    margin = hw.allocator_margin * (states + in_flight + acts + cp_buffers)
+    margin = hw.allocator_margin * (in_flight + acts + cp_buffers)
     comm = _comm(spec, layout, c, hidden_bytes, tokens, text, training)
     step, sample = _time(spec, layout, hw, c, comm, tokens, text, lora)
     total = states + in_flight + acts + cp_buffers + fixed + margin

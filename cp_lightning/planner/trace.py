@@ -8,9 +8,14 @@ run: the bytes still alive at the end of forward (what autograd saved, plus the 
 forward + backward. Differences between the two- and three-block runs give each block kind's bytes; two token
 counts give bytes per token; :class:`ActivationFit` scales both to any layer count, batch and tokens per rank.
 
-Attention is traced as a flash kernel saves it (q, k, v, output, fp32 log-sum-exp: no S x S scores), since
-the meta device would otherwise take SDPA's math path; CP does not change the bytes per token of a block
-(Ulysses: S x H/u after the all-to-all, the same bytes as S/u x H), so the fit is per CP rank.
+The trace runs the kernels a CUDA device runs, not the CPU/meta decompositions (the planner plans for GPUs):
+attention as a flash kernel saves it (q, k, v, output, fp32 log-sum-exp: no S x S scores), where the meta
+device would take SDPA's math path; ``torch.nn.RMSNorm`` (Wan's and Flux's q/k norms) as CUDA's fused
+``aten::_fused_rms_norm`` saves it (the input, one fp32 rstd per row and the weight), where CPU and meta
+decompose it and keep two fp32 copies of the input (18 of the 91 bytes per token and hidden unit of a
+Wan2.1-1.3B block in bf16). diffusers' own ``RMSNorm`` class (HunyuanVideo, QwenImage) is Python ops on every
+device and is traced as it is. CP does not change the bytes per token of a block (Ulysses: S x H/u after the
+all-to-all, the same bytes as S/u x H), so the fit is per CP rank.
 """
 
 from __future__ import annotations
@@ -29,31 +34,43 @@ from cp_lightning.planner.architectures import ModelSpec
 
 
 class LiveBytes(TorchDispatchMode):
-    """Counts the bytes of storages created by ops while they are alive, and their peak."""
+    """Counts the bytes of storages created by ops while they are alive, and their peak.
+
+    A storage resized in place (FSDP2 frees and re-allocates its gathered parameters so, outside any op) is
+    followed by :meth:`resized`, called by whoever resizes it."""
 
     def __init__(self, ignore: set) -> None:
         super().__init__()
         self.ignore = ignore
         self.live = self.peak = 0
         self._refs: dict = {}
+        self._sizes: dict = {}
 
-    def _free(self, key, nbytes: int, _ref=None) -> None:
-        self.live -= nbytes
+    def _free(self, key, _ref=None) -> None:
+        self.live -= self._sizes.pop(key, 0)
         self._refs.pop(key, None)
+
+    def resized(self, storage) -> None:
+        key = StorageWeakRef(storage)
+        if key in self._sizes:
+            self.live += storage.nbytes() - self._sizes[key]
+            self._sizes[key] = storage.nbytes()
+            self.peak = max(self.peak, self.live)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         for t in tree_flatten(out)[0]:
             if not isinstance(t, torch.Tensor):
                 continue
+            t = getattr(t, "_local_tensor", t)  # a DTensor's bytes are its local shard's
             storage = t.untyped_storage()
             key = StorageWeakRef(storage)
             if key in self._refs or key in self.ignore:
                 continue  # a view of a storage already counted, or a parameter
-            nbytes = storage.nbytes()
-            self.live += nbytes
+            self._sizes[key] = storage.nbytes()
+            self.live += self._sizes[key]
             self.peak = max(self.peak, self.live)
-            self._refs[key] = weakref.ref(storage, functools.partial(self._free, key, nbytes))
+            self._refs[key] = weakref.ref(storage, functools.partial(self._free, key))
         return out
 
 
@@ -80,14 +97,55 @@ def _flash_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=Fals
     return _FlashAttention.apply(query, key, value)
 
 
+class _FusedRMSNorm(torch.autograd.Function):
+    """What CUDA's fused RMSNorm keeps for backward: the input, an fp32 rstd per row and the weight.
+
+    The values are exact (fp32 statistics, as the kernel computes them), so the stand-in also runs on real CPU
+    tensors; its backward is the RMSNorm derivative: dx = rstd * (g*w - x_hat * mean(g*w * x_hat)).
+    """
+
+    @staticmethod
+    def forward(ctx, x, normalized_shape, weight, eps):
+        dims = tuple(range(-len(normalized_shape), 0))
+        eps = torch.finfo(torch.float32).eps if eps is None else eps
+        rstd = torch.rsqrt(x.float().pow(2).mean(dims, keepdim=True) + eps)  # rows x 1, fp32
+        out = (x.float() * rstd).to(x.dtype)
+        if weight is not None:
+            out = out * weight
+        ctx.dims = dims
+        ctx.save_for_backward(x, rstd, weight)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, rstd, weight = ctx.saved_tensors
+        x_hat = x.float() * rstd
+        g = grad.float() if weight is None else grad.float() * weight.float()
+        dx = rstd * (g - x_hat * (g * x_hat).mean(ctx.dims, keepdim=True))
+        dw = None
+        if weight is not None and ctx.needs_input_grad[2]:
+            reduce = tuple(range(grad.dim() - weight.dim()))
+            dw = (grad.float() * x_hat).sum(reduce).to(weight.dtype)
+        return dx.to(x.dtype), None, dw, None
+
+
+def _fused_rms_norm(input, normalized_shape, weight=None, eps=None):
+    return _FusedRMSNorm.apply(input, tuple(normalized_shape), weight, eps)
+
+
 @contextlib.contextmanager
-def _flash_attention():
-    original = torch.nn.functional.scaled_dot_product_attention
-    torch.nn.functional.scaled_dot_product_attention = _flash_sdpa
+def cuda_kernels(device: str = "cuda"):
+    """Attention and ``F.rms_norm`` as ``device``'s kernels save them (module docstring), while open: a flash
+    kernel on every device; the fused RMSNorm on CUDA only (a CPU process decomposes it, as the meta device)."""
+    functional = torch.nn.functional
+    originals = functional.scaled_dot_product_attention, functional.rms_norm
+    functional.scaled_dot_product_attention = _flash_sdpa
+    if device == "cuda":
+        functional.rms_norm = _fused_rms_norm
     try:
         yield
     finally:
-        torch.nn.functional.scaled_dot_product_attention = original
+        functional.scaled_dot_product_attention, functional.rms_norm = originals
 
 
 def build_meta(spec: ModelSpec, layers: dict[str, int], *, lora_rank: int, dtype: torch.dtype) -> torch.nn.Module:
@@ -173,10 +231,11 @@ def trace(
     lora_rank: int = 0,
     checkpointing: bool = False,
     dtype: torch.dtype = torch.bfloat16,
+    device: str = "cuda",
 ) -> Trace:
-    """One forward + backward (an fp32 MSE-like loss on the output) on the meta device."""
+    """One forward + backward (an fp32 MSE-like loss on the output) on the meta device, with ``device``'s kernels."""
     return _trace(spec.name, _key(spec.config), spec, tuple(sorted(layers.items())), tokens, text_tokens, batch,
-                  lora_rank, checkpointing, dtype)  # fmt: skip
+                  lora_rank, checkpointing, dtype, device)  # fmt: skip
 
 
 def _key(config: dict) -> str:
@@ -186,7 +245,9 @@ def _key(config: dict) -> str:
 
 
 @functools.lru_cache(maxsize=512)
-def _trace(name, config_key, spec, layers, tokens, text_tokens, batch, lora_rank, checkpointing, dtype) -> Trace:
+def _trace(
+    name, config_key, spec, layers, tokens, text_tokens, batch, lora_rank, checkpointing, dtype, device
+) -> Trace:
     model = build_meta(spec, dict(layers), lora_rank=lora_rank, dtype=dtype)
     if not lora_rank:
         model.requires_grad_(True)
@@ -199,7 +260,7 @@ def _trace(name, config_key, spec, layers, tokens, text_tokens, batch, lora_rank
             p.register_post_accumulate_grad_hook(lambda p: setattr(p, "grad", None))
     inputs = make_inputs(spec, model, batch=batch, tokens=tokens, text_tokens=text_tokens, dtype=dtype)
     counter = LiveBytes(ignore)
-    with _flash_attention(), counter:
+    with cuda_kernels(device), counter:
         out = model(**inputs, return_dict=False)[0]
         loss = out.float().square().mean()
         saved = counter.live
@@ -218,9 +279,19 @@ class ActivationFit:
     saved: dict
     peak: dict
     text_tokens: int
+    checkpointing: bool = False
 
-    def bytes(self, layers: dict[str, int], tokens: int, batch: int = 1) -> tuple[float, float]:
-        """(saved, peak) bytes for ``tokens`` per CP rank (joint models: image + text tokens per rank)."""
+    def bytes(
+        self, layers: dict[str, int], tokens: int, batch: int = 1, full: int | None = None
+    ) -> tuple[float, float]:
+        """(saved, peak) bytes for ``tokens`` per CP rank (joint models: image + text tokens per rank).
+
+        ``full``: the sample's tokens when CP splits them. What the model saves outside its blocks (the patch
+        embedding's input and output, of which the split keeps views; the gathered output and the loss) is
+        full-sequence on every CP rank; the blocks' bytes and the backward's transients are per CP rank. With
+        checkpointing the peak comes in the blocks' backward, after the loss and the gathered output are freed
+        (measured on CPU: benchmarks/planner_check.py), so only the end-of-forward bytes get the full sequence.
+        """
 
         def total(coef: dict) -> float:
             a, b = coef["base"]
@@ -230,7 +301,8 @@ class ActivationFit:
                 value += n * (a + b * tokens)
             return batch * value
 
-        saved, peak = total(self.saved), total(self.peak)
+        outside = batch * self.saved["base"][1] * (full - tokens) if full is not None else 0.0
+        saved, peak = total(self.saved) + outside, total(self.peak) + (0.0 if self.checkpointing else outside)
         return saved, max(peak, saved)
 
     def per_layer_token(self, kind: str) -> float:
@@ -244,6 +316,7 @@ def fit_activations(
     checkpointing: bool,
     text_tokens: int | None = None,
     dtype: torch.dtype = torch.bfloat16,
+    device: str = "cuda",
     points: tuple[int, int] = (1024, 2048),
 ) -> ActivationFit:
     """Traces 1 + kinds runs (two blocks of each kind, and three of one) at two token counts; fits the coefficients."""
@@ -259,7 +332,16 @@ def fit_activations(
 
     runs = {
         t: [
-            trace(spec, v, tokens=t, text_tokens=text, lora_rank=lora_rank, checkpointing=checkpointing, dtype=dtype)
+            trace(
+                spec,
+                v,
+                tokens=t,
+                text_tokens=text,
+                lora_rank=lora_rank,
+                checkpointing=checkpointing,
+                dtype=dtype,
+                device=device,
+            )
             for v in variants
         ]
         for t in points
@@ -279,4 +361,4 @@ def fit_activations(
             slope = (v1 - v0) / (x1 - x0)
             coef[part] = (v0 - slope * x0, slope)
         out[field_name] = coef
-    return ActivationFit(saved=out["saved"], peak=out["peak"], text_tokens=text)
+    return ActivationFit(saved=out["saved"], peak=out["peak"], text_tokens=text, checkpointing=checkpointing)
