@@ -168,8 +168,8 @@ def _ring_backward(dout, q, k, v, out, lse, bias, group, kernel: Kernel, scale, 
     accumulator; once it is in, the accumulator sent on the step before is freed, so the larger chunk
     runs without two accumulators in flight. The ring's peak memory is in this loop; this lowers it by
     about two (B, S_local, H, D) fp32 tensors (benchmarks/scaling.py at cp=4: 0.270x -> 0.265x of
-    cp=1 per rank, docs/benchmarks.md). The price: the accumulator's transfer overlaps a quarter of the block's compute,
-    not all of it.
+    cp=1 per rank, docs/benchmarks.md). The price: the accumulator's transfer overlaps a quarter of the
+    block's compute, not all of it.
     """
     comm = RingComm(group)
     # rows with no unmasked key at all: +inf makes every probability exp(s - inf) = 0
