@@ -390,9 +390,9 @@ def apply_fsdp(
     gradient is its shard's part, so the exact factor is dp (SUM over cp, MEAN over dp); FSDP's default
     (the mesh size, dp x cp) is cp times too small. In loss-parallel mode each rank's loss covers its
     own shard and dp x cp is exact. Under dynamic CP each rank's loss is already its share of the step's
-    sum_i l_i / W (:mod:`cp_lightning.dynamic`) and the factor is 1. The factor is set on every FSDP unit (``set_gradient_divide_factor``
-    is not recursive). gloo has no PREMUL_SUM (and its AVG is unreliable), so there the reductions are
-    forced to plain sums with a separate division.
+    sum_i l_i / W (:mod:`cp_lightning.dynamic`) and the factor is 1. The factor is set on every FSDP unit
+    (``set_gradient_divide_factor`` is not recursive). gloo has no PREMUL_SUM (and its AVG is unreliable),
+    so there the reductions are forced to plain sums with a separate division.
     """
     from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 

@@ -90,7 +90,8 @@ def check_dynamic_options(
         )
     if compile:
         raise ValueError(
-            "dynamic_cp does not support compile (a compiled graph bakes in its CP group); compile=False, or a fixed cp."
+            "dynamic_cp does not support compile (a compiled graph bakes in its CP group); pass compile=False, "
+            "or train at a fixed cp."
         )
     if hsdp:
         raise ValueError("dynamic_cp is not supported with hsdp=True; shard over dp x cp (hsdp=False) or use DDP.")
