@@ -307,3 +307,47 @@ def test_bad_options_fail_at_construction():
 def test_a_module_without_dynamic_cp_step_is_refused():
     with pytest.raises(ValueError, match="dynamic_cp_step"):
         dynamic.check_module(copy.copy(torch.nn.Linear(1, 1)))
+
+
+def test_the_bucket_sampler_gives_sub_groups_their_batches_and_resumes_mid_epoch():
+    from recipes.buckets import BucketBatchSampler
+    from recipes.checkpoints import _SkipBatches
+
+    # buckets by tokens: 4 at degree 1, 8 at degree 2, 16 at degree 4; a per-bucket batch size
+    buckets = [(1, 2, 2)] * 21 + [(1, 2, 4)] * 13 + [(1, 4, 4)] * 6
+    tokens = {(1, 2, 2): 4, (1, 2, 4): 8, (1, 4, 4): 16}
+    degrees = {b: dynamic.choose_degree(t, CP, MIN_TOKENS) for b, t in tokens.items()}
+    sizes = {(1, 2, 2): 2, (1, 2, 4): 3, (1, 4, 4): 1}
+
+    def sampler(rank, epoch=1):
+        s = BucketBatchSampler(
+            buckets, sizes, num_replicas=WORLD, rank=rank, seed=3, degrees=degrees, tokens=tokens, accumulate=2
+        )
+        s.set_epoch(epoch)
+        return s
+
+    ranks = [list(sampler(r)) for r in range(WORLD)]
+    assert len({len(r) for r in ranks}) == 1 and len(ranks[0]) == len(sampler(0)) > 4
+    seen = set()
+    for k in range(len(ranks[0])):
+        batches = [ranks[r][k] for r in range(WORLD)]
+        assert len({buckets[b[0][0]] for b in batches}) == 1  # one bucket, so one degree, on every rank
+        bucket = buckets[batches[0][0][0]]
+        degree = degrees[bucket]
+        assert all(len(b) == sizes[bucket] and all(buckets[i] == bucket for i, *_ in b) for b in batches)
+        assert all(item[2] == tokens[bucket] and item[1] == 1 for b in batches for item in b)
+        for r in range(WORLD):  # sub-group peers share the batch, other sub-groups hold other samples
+            same = [q for q in range(WORLD) if q // degree == r // degree]
+            assert all(batches[q] == batches[r] for q in same)
+            assert not {i for i, *_ in batches[r]} & {i for q in range(WORLD) if q not in same for i, *_ in batches[q]}
+        ids = {i for b in batches for i, *_ in b}
+        assert not ids & seen
+        seen |= ids
+    for start in range(0, len(ranks[0]), 2):  # W: the samples of the step's two micro-batches, every sub-group
+        step = [ranks[r][k] for k in range(start, min(start + 2, len(ranks[0]))) for r in range(WORLD)]
+        distinct = {tuple(i for i, *_ in b) for b in step}
+        assert {item[3] for b in step for item in b} == {float(sum(len(b) for b in distinct))}
+    assert list(sampler(0, epoch=2)) != ranks[0]  # reshuffled per epoch
+    resumed = _SkipBatches(sampler(2))
+    resumed.skip = 3
+    assert list(resumed) == ranks[2][3:]  # a resume mid-epoch continues with the same batches
