@@ -433,6 +433,13 @@ class ContextParallelStrategy(_ContextParallel, DDPStrategy):
         return super().validation_step(*args, **kwargs)
 
     def optimizer_step(self, optimizer, closure, model=None, **kwargs):
+        try:
+            return self._optimizer_step(optimizer, closure, model, **kwargs)
+        finally:
+            if self.dynamic is not None:  # callbacks between steps (sampling) see the full CP group
+                self.dynamic.bind(self.cp)
+
+    def _optimizer_step(self, optimizer, closure, model=None, **kwargs):
         if not self.nonfinite.active:
             return super().optimizer_step(optimizer, closure, model, **kwargs)
         trainer = self.lightning_module.trainer

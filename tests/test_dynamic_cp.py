@@ -203,6 +203,60 @@ def lightning_fit(rank, schedule, strategy_kwargs, module_kwargs):
     }
 
 
+def step_of(batch) -> dynamic.DynamicStep:
+    return dynamic.DynamicStep(batch["latents"].shape[1], batch["latents"].shape[0], batch["W"][0].item())
+
+
+def fabric_fit(rank, schedule):
+    """Fabric, DDP: the loop's own accumulation under no_backward_sync (one all-reduce per step)."""
+    from lightning.fabric import Fabric
+
+    from cp_lightning import FabricContextParallelStrategy
+
+    steps = SCHEDULES[schedule]
+    strategy = FabricContextParallelStrategy(cp=CP, dynamic_cp=True, min_tokens_per_rank=MIN_TOKENS)
+    fabric = Fabric(accelerator="cpu", devices=WORLD, strategy=strategy)
+    fabric.launch()
+    torch.manual_seed(0)
+    task = Task()
+    model = fabric.setup(task)
+    optimizer = fabric.setup_optimizers(torch.optim.SGD(model.parameters(), lr=LR))
+    batches = iter(torch.utils.data.DataLoader(Data(steps, "samples"), batch_sampler=Schedule(steps, rank)))
+    for step in steps:
+        optimizer.zero_grad()
+        for m in range(len(step)):
+            batch = next(batches)
+            factor = strategy.dynamic_step(step_of(batch))  # before the forward
+            with fabric.no_backward_sync(model, enabled=m < len(step) - 1):
+                fabric.backward(model(batch) * factor)
+        optimizer.step()
+    return {"params": {k: v.detach().numpy().copy() for k, v in task.state_dict().items()} if rank == 0 else None}
+
+
+def accelerate_fit(rank, schedule, fsdp: bool):
+    """Accelerate: accelerator.accumulate and accelerator.backward (which divides by the accumulation steps)."""
+    from cp_lightning.accelerate import ContextParallel
+    from cp_lightning.data_parallel import full_state_dict
+    from tests.test_accelerate import fresh_accelerator
+
+    steps = SCHEDULES[schedule]
+    accelerator = fresh_accelerator(gradient_accumulation_steps=len(steps[0]))
+    cpx = ContextParallel(accelerator, cp=CP, seed=0, fsdp=fsdp, dynamic_cp=True, min_tokens_per_rank=MIN_TOKENS)
+    torch.manual_seed(0)
+    task = Task()
+    optimizer = torch.optim.SGD(task.parameters(), lr=LR)
+    loader = torch.utils.data.DataLoader(Data(steps, "samples"), batch_sampler=Schedule(steps, rank))
+    model, optimizer, loader = cpx.prepare(task, optimizer, loader)
+    for batch in loader:
+        with accelerator.accumulate(model):
+            factor = cpx.dynamic_step(step_of(batch))
+            accelerator.backward(model(batch) * factor)
+            optimizer.step()
+            optimizer.zero_grad()
+    state = full_state_dict(task)
+    return {"params": {k: v.numpy() for k, v in state.items()} if rank == 0 else None, "degrees": cpx.dynamic.history}
+
+
 def errors(rank) -> dict:
     """A degree disagreement and a sub-group whose peers hold different batches: the same ValueError everywhere."""
     from cp_lightning import build_mesh, parallelize
@@ -228,6 +282,9 @@ def worker(rank, world):
     out = {"errors": errors(rank)}
     for name, (schedule, strategy_kwargs, module_kwargs) in CASES.items():
         out[name] = lightning_fit(rank, schedule, strategy_kwargs, module_kwargs)
+    out["fabric_ddp_mixed"] = fabric_fit(rank, "mixed")
+    out["accelerate_ddp_mixed"] = accelerate_fit(rank, "mixed", fsdp=False)
+    out["accelerate_fsdp_mixed"] = accelerate_fit(rank, "mixed", fsdp=True)
     return out
 
 
@@ -256,6 +313,16 @@ def test_sgd_matches_one_process(results, case):
     assert err <= SGD_TOL, (case, err)
     expected = [dynamic.choose_degree(t, CP, MIN_TOKENS) for step in SCHEDULES[schedule] for t, _ in step]
     assert all(r[case]["degrees"] == expected for r in results), [r[case]["degrees"] for r in results]
+
+
+@pytest.mark.parametrize("case", ["fabric_ddp_mixed", "accelerate_ddp_mixed", "accelerate_fsdp_mixed"])
+def test_fabric_and_accelerate_match_one_process(results, case):
+    start, ref = reference(SCHEDULES["mixed"], "samples", 4)
+    params = results[0][case]["params"]
+    err = rel_err(params, ref)
+    print(f"dynamic cp {case}: max relative parameter error {err:.2e}")
+    assert rel_err({n: p.numpy() for n, p in start.items()}, ref) > 100 * SGD_TOL
+    assert err <= SGD_TOL, (case, err)
 
 
 def test_too_few_heads_fall_back_to_ring_for_the_full_degree(results):
