@@ -3,9 +3,10 @@
     python benchmarks/dynamic_cp.py --image-tokens 256 --video-tokens 4096 --videos 2 --images-per-video 8
 
 Each configuration trains the narrow Flux-architecture transformer of benchmarks/common.py (DDP over the
-world with cp_lightning's gradient hook, SGD) on the same workload, in a fresh group of 4 CPU processes:
-``--rounds`` timed rounds (after one warm-up round) of ``--videos`` videos and ``images-per-video`` times as
-many images (the same samples in every configuration), in a fixed interleaved order. Rows:
+world with cp_lightning's gradient hook, SGD) on the same workload, all in one group of 4 CPU processes with
+their rounds interleaved: ``--rounds`` timed rounds (after one warm-up round) of ``--videos`` videos and
+``images-per-video`` times as many images (the same samples in every configuration), in a fixed interleaved
+order. Rows:
 
 - **fixed cp, fixed batch**: cp=4 (one CP group); every step one sample, images too;
 - **fixed cp, per-bucket batch**: cp=4; an image step holds ``video tokens / image tokens`` images (capped by
@@ -18,7 +19,8 @@ many images (the same samples in every configuration), in a fixed interleaved or
 Samples per second = samples trained / the summed wall time of the timed steps (each step starts after a
 barrier; the slowest rank's time counts). "video step" is the median wall time of a video step: the figure
 that shows what the per-step agreement (one small all-gather) and the rebinding cost where nothing else changes.
-CPU wall times on a shared machine are noisy; each configuration reports its medians over rounds.
+CPU wall times on a shared machine are noisy: each configuration reports its medians over rounds, and the
+rounds of the configurations alternate.
 """
 
 from __future__ import annotations
@@ -59,7 +61,10 @@ def _schedule(args, config: str) -> list[tuple[str, int, int]]:
     return steps
 
 
-def _worker(rank: int, world: int, config: str, args) -> dict:
+def _worker(rank: int, world: int, args) -> dict:
+    """Every configuration in one group, their rounds interleaved (so a shared machine's load drifts over all of
+    them alike): at cp=4 on 4 ranks dp is 1, so the fixed-cp DDP hook (divide by dp) is dynamic CP's (by 1) and
+    one wrapped model serves both; fixed-cp rounds run at the full group (never switched)."""
     import torch
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
@@ -71,56 +76,55 @@ def _worker(rank: int, world: int, config: str, args) -> dict:
     model = common.build_model(layers=args.layers, heads=args.heads, head_dim=args.head_dim).to(dev)
     mesh = build_mesh(CP)
     parallelize(model, mesh=mesh)
-    dynamic = config.startswith("dynamic")
-    controller = DynamicCP(mesh, [model], min_tokens_per_rank=args.image_tokens) if dynamic else None
+    controller = DynamicCP(mesh, [model], min_tokens_per_rank=args.image_tokens)
     ddp = DistributedDataParallel(model)
-    data_parallel.register_ddp_hook(ddp, 1 if dynamic else mesh["dp"].size(), False)
+    data_parallel.register_ddp_hook(ddp, 1, False)
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-4)
-    steps = _schedule(args, config)
+    schedules = {config: _schedule(args, config) for config in CONFIGS}
     inputs = {}
-    for _, tokens, batch in steps:
+    for _, tokens, batch in {step for steps in schedules.values() for step in steps}:
         base = common.make_inputs(model, tokens=tokens, text_tokens=args.text_tokens, device=dev)
         for key in ("hidden_states", "encoder_hidden_states", "pooled_projections", "timestep"):
             base[key] = base[key].expand(batch, *base[key].shape[1:]).contiguous()
         inputs[(tokens, batch)] = base
-    rounds = []
+    rounds = {config: [] for config in CONFIGS}
     for r in range(args.rounds + 1):
-        times = []
-        for kind, tokens, batch in steps:
-            dist.barrier()
-            start = time.perf_counter()
-            factor = 1.0
-            if controller is not None:
-                factor = controller.begin(DynamicStep(tokens, batch))
-            out = ddp(**inputs[(tokens, batch)], return_dict=False)[0]
-            (out.float().square().mean() * factor).backward()
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            times.append((kind, time.perf_counter() - start))
-        if r:  # round 0 warms up
-            rounds.append(times)
-    return {"rounds": rounds, "steps": steps}
+        for config in CONFIGS:
+            dynamic, times = config.startswith("dynamic"), []
+            controller.bind(CP)
+            for _, tokens, batch in schedules[config]:
+                dist.barrier()
+                start = time.perf_counter()
+                factor = controller.begin(DynamicStep(tokens, batch)) if dynamic else 1.0
+                out = ddp(**inputs[(tokens, batch)], return_dict=False)[0]
+                (out.float().square().mean() * factor).backward()
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+                times.append(time.perf_counter() - start)
+            if r:  # round 0 warms up
+                rounds[config].append(times)
+    return {"rounds": rounds, "schedules": schedules}
 
 
 def run(args) -> list[dict]:
+    for config in CONFIGS:  # before any process starts
+        _schedule(args, config)
+    results = common.launch(_worker, WORLD, args, timeout=args.timeout)
     rows = []
     for config in CONFIGS:
-        results = common.launch(_worker, WORLD, config, args, timeout=args.timeout)
-        steps = results[0]["steps"]
+        steps = results[0]["schedules"][config]
         per_round, video = [], []
         for r in range(args.rounds):
             # the slowest rank's time of each step (they start together after a barrier)
-            walls = [max(res["rounds"][r][k][1] for res in results) for k in range(len(steps))]
+            walls = [max(res["rounds"][config][r][k] for res in results) for k in range(len(steps))]
             per_round.append(sum(walls))
             video += [w for (kind, _, _), w in zip(steps, walls, strict=True) if kind == "video"]
         dynamic = config.startswith("dynamic")
         samples = sum(b * (WORLD if dynamic and kind == "image" else 1) for kind, _, b in steps)
-        images = samples - sum(1 for kind, *_ in steps if kind == "video")
         rows.append(
             {
                 "config": config,
                 "samples": samples,
-                "images": images,
                 "seconds": statistics.median(per_round),
                 "samples_per_s": samples / statistics.median(per_round),
                 "video_step": statistics.median(video),

@@ -182,6 +182,10 @@ class ContextParallel:
             blocks without repeating their CP communication (:mod:`cp_lightning.offload`), as for
             :class:`cp_lightning.ContextParallelStrategy`. Enable gradient checkpointing before ``prepare``
             (``model.enable_gradient_checkpointing()``); checked in ``prepare``. Not with ``compile=``.
+        dynamic_cp, min_tokens_per_rank, dynamic_weighting: each step at the CP degree its samples' length calls
+            for, as for :class:`cp_lightning.ContextParallelStrategy`: call :meth:`dynamic_step` before each
+            forward and multiply the loss by what it returns; the DataLoader's batch sampler gives each rank its
+            sub-group's batch (it is not sharded again). See docs/dynamic_cp.md.
     """
 
     def __init__(

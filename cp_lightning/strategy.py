@@ -338,6 +338,13 @@ class ContextParallelStrategy(_ContextParallel, DDPStrategy):
             asynchronously on CUDA) and recompute blocks without repeating their CP communication: the outputs
             of the all-to-alls and of ring attention are kept (:mod:`cp_lightning.offload`). Needs gradient
             checkpointing (``model.enable_gradient_checkpointing()`` in ``configure_model``); checked at setup.
+        dynamic_cp: run each step at the CP degree its samples' length calls for (:mod:`cp_lightning.dynamic`,
+            docs/dynamic_cp.md): sub-groups of every power-of-two degree dividing cp (a power of two) are built at
+            set-up; the LightningModule's ``dynamic_cp_step(batch)`` says each batch's tokens per sample, samples
+            and the step's total W; gradients stay exact under any mix of degrees. Needs a degree-aware batch
+            sampler (``use_distributed_sampler=False``; the recipes' bucket sampler is one).
+        min_tokens_per_rank: (dynamic_cp) a step runs at the largest degree whose tokens per rank reach it.
+        dynamic_weighting: (dynamic_cp) ``"samples"`` (each sample's loss weighs 1) or ``"tokens"``.
         **kwargs: passed to Lightning's ``DDPStrategy`` (``start_method``, ``checkpoint_io``, DDP arguments).
             Checkpoints are written atomically (:class:`~cp_lightning.checkpoint_io.AtomicCheckpointIO`)
             unless another ``checkpoint_io`` is given.

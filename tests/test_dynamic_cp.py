@@ -418,3 +418,66 @@ def test_the_bucket_sampler_gives_sub_groups_their_batches_and_resumes_mid_epoch
     resumed = _SkipBatches(sampler(2))
     resumed.skip = 3
     assert list(resumed) == ranks[2][3:]  # a resume mid-epoch continues with the same batches
+
+
+# -- the recipe: a mixed image/video run at cp=2 (images at degree 1, clips at 2), resumed mid-epoch ---------------
+def mixed_folder(tmp) -> str:
+    """24 still images and 8 four-frame clips in one imagefolder."""
+    import json
+    import shutil
+    from pathlib import Path
+
+    from recipes.data import make_shapes
+
+    tmp, lines = Path(tmp), []
+    folder = tmp / "mixed"
+    folder.mkdir()
+    for prefix, frames, n in (("img", 1, 24), ("vid", 4, 8)):
+        source = make_shapes(tmp / prefix, n, size=32, seed=frames, frames=frames)
+        for line in (source / "metadata.jsonl").read_text().splitlines():
+            row = json.loads(line)
+            name = f"{prefix}_{row['file_name']}"
+            shutil.copy(source / row["file_name"], folder / name)
+            lines.append(json.dumps({**row, "file_name": name}))
+    (folder / "metadata.jsonl").write_text("\n".join(lines) + "\n")
+    return str(folder)
+
+
+@pytest.fixture(scope="module")
+def recipe_runs(tmp_path_factory):
+    import json
+
+    from tests.test_recipes import run_recipe
+
+    tmp = tmp_path_factory.mktemp("dynamic_recipe")
+    common = (
+        "--trainer.strategy.init_args.dynamic_cp=true",
+        "--trainer.strategy.init_args.min_tokens_per_rank=100",  # 64-token images at 1, 256-token clips at 2
+        f"--data.data_dir={mixed_folder(tmp)}",
+        "--data.synthetic_samples=0",
+        "--data.frame_buckets=[1,4]",
+        "--samples.every_n_steps=0",
+        "--trainer.logger=false",
+        "--trainer.max_steps=6",  # an epoch is 10 micro-batches: 6 image pairs at degree 1, 4 clips at degree 2
+        "--checkpoint.every_n_steps=3",
+    )
+    straight = run_recipe(tmp, "straight", *common, recipe="wan")
+    stop = json.dumps({"class_path": "tests.test_recipe_training.StopAt", "init_args": {"step": 3}})
+    run_recipe(tmp, "resumed", *common, f"--trainer.callbacks+={stop}", recipe="wan")
+    resumed = run_recipe(tmp, "resumed", *common, "--ckpt_path=last", recipe="wan")
+    return straight, resumed
+
+
+def test_a_dynamic_recipe_run_resumed_mid_epoch_reproduces_the_straight_run(recipe_runs):
+    import csv
+
+    from tests.test_recipes import losses
+
+    straight, resumed = recipe_runs
+    assert len(losses(straight)) == 6 and losses(resumed) == pytest.approx(losses(straight)[3:], abs=1e-6)
+    with (straight / "buckets.csv").open() as f:
+        rows = {r["bucket"]: r for r in csv.DictReader(f)}
+    assert {b: (r["cp_degree"], r["tokens_per_cp_rank"]) for b, r in rows.items()} == {
+        "32x32": ("1", "64"),
+        "32x32x4f": ("2", "128"),
+    }
