@@ -435,8 +435,8 @@ class ContextParallelStrategy(_ContextParallel, DDPStrategy):
         return out * factor
 
     def validation_step(self, *args, **kwargs):
-        if self.dynamic_cp:
-            self.dynamic_step(dynamic.step_of(self.lightning_module, args[0]), training=False)
+        if self.dynamic is not None:  # validation batches are dp-sharded as without dynamic CP: the full CP group
+            self.dynamic.bind(self.cp)
         return super().validation_step(*args, **kwargs)
 
     def optimizer_step(self, optimizer, closure, model=None, **kwargs):

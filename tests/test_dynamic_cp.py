@@ -274,6 +274,20 @@ def errors(rank) -> dict:
             out[name] = None
         except ValueError as err:
             out[name] = str(err)
+    # the consistency check compares the peers of the step's sub-group: at degree 2 ranks 0 and 1 share a batch
+    checked = Task()
+    parallelize(checked.transformer, mesh=mesh, check_steps=5)
+    checks = dynamic.DynamicCP(mesh, [checked], min_tokens_per_rank=MIN_TOKENS)
+    for name, odd in (("other_subgroup", (2, 3)), ("same_subgroup", (1,))):
+        checks.begin(dynamic.DynamicStep(tokens=8, samples=1))
+        batch = collate([0], 8, 1.0)
+        if rank in odd:
+            batch["latents"] = batch["latents"] + 1
+        try:
+            checked(batch)
+            out[name] = None
+        except ValueError as err:
+            out[name] = type(err).__name__
     return out
 
 
@@ -335,6 +349,9 @@ def test_disagreements_are_the_same_error_on_every_rank(results):
     assert len(degree) == 1 and "different CP degrees" in degree.pop()
     peers = {r["errors"]["peers"] for r in results}
     assert len(peers) == 1 and "must share the micro-batch" in peers.pop()
+    # ranks 2 and 3 feeding other latents is another sub-group's sample; rank 1's differ from its peer rank 0's
+    assert [r["errors"]["other_subgroup"] for r in results] == [None] * 4
+    assert [r["errors"]["same_subgroup"] for r in results] == ["CPMismatchError"] * 2 + [None] * 2
 
 
 # -- no processes ---------------------------------------------------------------------------------
