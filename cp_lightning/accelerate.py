@@ -302,6 +302,7 @@ class ContextParallel:
                 ring=self.ring,
                 min_tokens_per_rank=self.min_tokens_per_rank,
                 weighting=self.dynamic_weighting,
+                timeout=self.timeout,
             )
 
     def prepare(self, *objects: Any) -> Any:

@@ -33,6 +33,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -165,10 +166,16 @@ class DynamicCP:
         ring: int = 1,
         min_tokens_per_rank: int = DEFAULT_MIN_TOKENS_PER_RANK,
         weighting: str = "samples",
+        timeout: timedelta | None = None,
     ) -> None:
         self.cp = (mesh[CP] if mesh.ndim > 1 else mesh).size()
         self.ring, self.min_tokens_per_rank, self.weighting = ring, min_tokens_per_rank, weighting
         self.groups: dict[int, CPGroups] = cp_subgroups(mesh, ring)  # collective
+        if timeout is not None:  # new groups get the backend's 30 min, whatever the world's (faults.py)
+            for groups in self.groups.values():
+                for group in (groups.cp, groups.ulysses, groups.ring):
+                    if group is not None:
+                        dist.distributed_c10d._set_pg_timeout(timeout, group)
         self.targets = [m for root in roots for m in root.modules() if parallel_state(m) is not None]
         if not self.targets:
             raise ValueError("dynamic_cp found no parallelized module to switch between degrees.")

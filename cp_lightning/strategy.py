@@ -233,6 +233,7 @@ class _ContextParallel:
                 ring=self.ring,
                 min_tokens_per_rank=self.min_tokens_per_rank,
                 weighting=self.dynamic_weighting,
+                timeout=self._collective_timeout or getattr(self, "_timeout", None),
             )
 
     def _shard(self, root: nn.Module) -> None:
