@@ -1,6 +1,6 @@
 """Dynamic CP degree (cp_lightning.dynamic): SGD parity with one process at degrees 1, 2, 4 and mixed, 4 processes.
 
-One spawned group (world 4, cp=4, gloo) runs every multi-process case. A case is a schedule: each optimizer
+One spawned group (world 4, gloo) runs every multi-process case, at cp=4 and at dp 2 x cp 2. A case is a schedule: each optimizer
 step is a list of micro-batches, each micro-batch one token length (so one degree: min_tokens_per_rank=4 puts
 4 tokens at degree 1, 8 at 2, 16 at 4) and one batch per sub-group (world / degree of them). The one-process
 reference trains on the same samples with the gradient rule written out: sum_i w_i grad(l_i) / W per step.
@@ -40,16 +40,19 @@ CASES = {  # name -> (schedule, strategy kwargs, module kwargs)
     "fsdp_mixed": ("mixed", {"fsdp": True}, {}),
     # 2 heads: degree 4 falls back to ring 2 x Ulysses 2; per-token weights
     "ddp_mixed_tokens_2heads": ("mixed", {"dynamic_weighting": "tokens"}, {"heads": 2}),
+    # dp 2 x cp 2: the DDP hook and the FSDP factor divide by 1, not by dp (at cp=4 on 4 ranks dp is 1 anyway)
+    "ddp_cp2_mixed": ("mixed", {"cp": 2}, {}),
+    "fsdp_cp2_mixed": ("mixed", {"cp": 2, "fsdp": True}, {}),
 }
 
 
-def plan_batches(schedule):
+def plan_batches(schedule, cp: int = CP):
     """Per step, per micro-batch: (tokens, [sample ids of each sub-group]); ids are unique in the run."""
     out, next_id = [], 0
     for step in schedule:
         micro = []
         for tokens, batch in step:
-            subgroups = WORLD // dynamic.choose_degree(tokens, CP, MIN_TOKENS)
+            subgroups = WORLD // dynamic.choose_degree(tokens, cp, MIN_TOKENS)
             ids = [list(range(next_id + g * batch, next_id + (g + 1) * batch)) for g in range(subgroups)]
             next_id += subgroups * batch
             micro.append((tokens, ids))
@@ -102,13 +105,13 @@ class Task(torch.nn.Module):
         return F.mse_loss(pred, noise - x0)  # the batch's mean of per-sample means (one length per batch)
 
 
-def reference(schedule, weighting: str, heads: int) -> dict:
+def reference(schedule, weighting: str, heads: int, cp: int = CP) -> dict:
     """One process: per step, sum_i w_i grad(l_i) / W over every sample of the step, then SGD."""
     torch.manual_seed(0)
     task = Task(heads)
     optimizer = torch.optim.SGD(task.parameters(), lr=LR)
     start = {n: p.detach().clone() for n, p in task.named_parameters()}
-    for micro in plan_batches(schedule):
+    for micro in plan_batches(schedule, cp):
         total = step_total(micro, weighting)
         optimizer.zero_grad()
         for tokens, groups in micro:
@@ -123,11 +126,11 @@ def reference(schedule, weighting: str, heads: int) -> dict:
 class Schedule(torch.utils.data.Sampler):
     """This rank's micro-batches of a schedule: its sub-group's ids at each micro-batch's degree."""
 
-    def __init__(self, schedule, rank: int):
+    def __init__(self, schedule, rank: int, cp: int = CP):
         self.batches = []
-        for micro in plan_batches(schedule):
+        for micro in plan_batches(schedule, cp):
             for tokens, groups in micro:
-                self.batches.append(groups[rank // dynamic.choose_degree(tokens, CP, MIN_TOKENS)])
+                self.batches.append(groups[rank // dynamic.choose_degree(tokens, cp, MIN_TOKENS)])
 
     def __iter__(self):
         return iter(self.batches)
@@ -137,9 +140,9 @@ class Schedule(torch.utils.data.Sampler):
 
 
 class Data(torch.utils.data.Dataset):
-    def __init__(self, schedule, weighting):
+    def __init__(self, schedule, weighting, cp: int = CP):
         self.tokens, self.total = {}, {}
-        for micro in plan_batches(schedule):
+        for micro in plan_batches(schedule, cp):
             total = step_total(micro, weighting)
             for tokens, groups in micro:
                 for ids in groups:
@@ -178,7 +181,9 @@ def lightning_fit(rank, schedule, strategy_kwargs, module_kwargs):
     steps = SCHEDULES[schedule]
     accumulate = {len(step) for step in steps}
     assert len(accumulate) == 1
-    strategy = ContextParallelStrategy(cp=CP, dynamic_cp=True, min_tokens_per_rank=MIN_TOKENS, **strategy_kwargs)
+    strategy_kwargs = {"cp": CP, **strategy_kwargs}
+    cp = strategy_kwargs["cp"]
+    strategy = ContextParallelStrategy(dynamic_cp=True, min_tokens_per_rank=MIN_TOKENS, **strategy_kwargs)
     trainer = L.Trainer(
         accelerator="cpu",
         devices=WORLD,
@@ -192,7 +197,7 @@ def lightning_fit(rank, schedule, strategy_kwargs, module_kwargs):
         enable_model_summary=False,
     )
     module = Module()
-    loader = torch.utils.data.DataLoader(Data(steps, weighting), batch_sampler=Schedule(steps, rank))
+    loader = torch.utils.data.DataLoader(Data(steps, weighting, cp), batch_sampler=Schedule(steps, rank, cp))
     trainer.fit(module, loader)
     state = full_state_dict(module.task)
     dist.barrier()
@@ -316,8 +321,8 @@ def rel_err(params, ref):
 @pytest.mark.parametrize("case", list(CASES))
 def test_sgd_matches_one_process(results, case):
     schedule, strategy_kwargs, module_kwargs = CASES[case]
-    weighting = strategy_kwargs.get("dynamic_weighting", "samples")
-    start, ref = reference(SCHEDULES[schedule], weighting, module_kwargs.get("heads", 4))
+    weighting, cp = strategy_kwargs.get("dynamic_weighting", "samples"), strategy_kwargs.get("cp", CP)
+    start, ref = reference(SCHEDULES[schedule], weighting, module_kwargs.get("heads", 4), cp)
     ref = {f"transformer.{n.split('transformer.', 1)[1]}": p for n, p in ref.items()}
     start = {f"transformer.{n.split('transformer.', 1)[1]}": p for n, p in start.items()}
     params = results[0][case]["params"]
@@ -325,7 +330,7 @@ def test_sgd_matches_one_process(results, case):
     print(f"dynamic cp {case}: max relative parameter error {err:.2e} (training moved them {moved:.2e})")
     assert moved > 100 * SGD_TOL
     assert err <= SGD_TOL, (case, err)
-    expected = [dynamic.choose_degree(t, CP, MIN_TOKENS) for step in SCHEDULES[schedule] for t, _ in step]
+    expected = [dynamic.choose_degree(t, cp, MIN_TOKENS) for step in SCHEDULES[schedule] for t, _ in step]
     assert all(r[case]["degrees"] == expected for r in results), [r[case]["degrees"] for r in results]
 
 
