@@ -18,7 +18,8 @@ order. Rows:
 
 Samples per second = samples trained / the summed wall time of the timed steps (each step starts after a
 barrier; the slowest rank's time counts). "video step" is the median wall time of a video step: the figure
-that shows what the per-step agreement (one small all-gather) and the rebinding cost where nothing else changes.
+that shows what the per-step agreement (one small all-gather) and the rebinding cost where nothing else changes;
+"degree agreement" times that part alone (:meth:`DynamicCP.begin`, the slowest rank's median per step).
 CPU wall times on a shared machine are noisy: each configuration reports its medians over rounds, and the
 rounds of the configurations alternate.
 """
@@ -96,11 +97,12 @@ def _worker(rank: int, world: int, args) -> dict:
                 dist.barrier()
                 start = time.perf_counter()
                 factor = controller.begin(DynamicStep(tokens, batch)) if dynamic else 1.0
+                agreed = time.perf_counter()
                 out = ddp(**inputs[(tokens, batch)], return_dict=False)[0]
                 (out.float().square().mean() * factor).backward()
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
-                times.append(time.perf_counter() - start)
+                times.append((time.perf_counter() - start, agreed - start))
             if r:  # round 0 warms up
                 rounds[config].append(times)
     return {"rounds": rounds, "schedules": schedules}
@@ -113,13 +115,18 @@ def run(args) -> list[dict]:
     rows = []
     for config in CONFIGS:
         steps = results[0]["schedules"][config]
-        per_round, video = [], []
+        per_round, video, image, agree = [], [], [], []
+        dynamic = config.startswith("dynamic")
         for r in range(args.rounds):
             # the slowest rank's time of each step (they start together after a barrier)
-            walls = [max(res["rounds"][config][r][k] for res in results) for k in range(len(steps))]
+            walls = [max(res["rounds"][config][r][k][0] for res in results) for k in range(len(steps))]
+            agree += [max(res["rounds"][config][r][k][1] for res in results) for k in range(len(steps))]
             per_round.append(sum(walls))
-            video += [w for (kind, _, _), w in zip(steps, walls, strict=True) if kind == "video"]
-        dynamic = config.startswith("dynamic")
+            for (kind, _, batch), wall in zip(steps, walls, strict=True):
+                if kind == "video":
+                    video.append(wall)
+                else:  # seconds per image: the step's images are batch per data rank, on 4 data ranks if dynamic
+                    image.append(wall / (batch * (WORLD if dynamic else 1)))
         samples = sum(b * (WORLD if dynamic and kind == "image" else 1) for kind, _, b in steps)
         rows.append(
             {
@@ -128,6 +135,8 @@ def run(args) -> list[dict]:
                 "seconds": statistics.median(per_round),
                 "samples_per_s": samples / statistics.median(per_round),
                 "video_step": statistics.median(video),
+                "image_s": statistics.median(image),
+                "agree_ms": 1e3 * statistics.median(agree),
                 "image_batch": next(b for kind, _, b in steps if kind == "image"),
             }
         )
@@ -158,15 +167,26 @@ def main(argv=None) -> list[dict]:
     )
     print(
         common.table(
-            ["configuration", "image batch", "samples/s", "vs fixed cp, fixed batch", "video step (s)", "vs fixed cp"],
+            [
+                "configuration",
+                "image batch",
+                "samples/s",
+                "vs fixed cp, fixed batch",
+                "s per image",
+                "video step (s)",
+                "vs fixed cp",
+                "degree agreement (ms)",
+            ],
             [
                 [
                     r["config"],
                     r["image_batch"],
                     f"{r['samples_per_s']:.2f}",
                     f"{r['samples_per_s'] / base:.2f}x",
+                    f"{r['image_s']:.4f}",
                     f"{r['video_step']:.3f}",
                     f"{r['video_step'] / fixed_video:.3f}",
+                    f"{r['agree_ms']:.2f}" if r["config"].startswith("dynamic") else "-",
                 ]
                 for r in rows
             ],
