@@ -1,11 +1,11 @@
 """Dynamic CP degree (cp_lightning.dynamic): SGD parity with one process at degrees 1, 2, 4 and mixed, 4 processes.
 
 One spawned group (world 4, gloo) runs every multi-process case, at cp=4 and at dp 2 x cp 2. A case is a
-schedule: each optimizer step is a list of micro-batches, each micro-batch one token length (so one degree: min_tokens_per_rank=4 puts
-4 tokens at degree 1, 8 at 2, 16 at 4) and one batch per sub-group (world / degree of them). The one-process
-reference trains on the same samples with the gradient rule written out: sum_i w_i grad(l_i) / W per step.
-Samples (latents, text, noise, timestep) are determined by their id, so a sample's loss does not depend on the
-degree it ran at.
+schedule: each optimizer step is a list of micro-batches, each micro-batch one token length (so one degree:
+min_tokens_per_rank=4 puts 4 tokens at degree 1, 8 at 2, 16 at 4) and one batch per sub-group (world / degree of
+them). The one-process reference trains on the same samples with the gradient rule written out:
+sum_i w_i grad(l_i) / W per step. Samples (latents, text, noise, timestep) are determined by their id, so a
+sample's loss does not depend on the degree it ran at.
 """
 
 from __future__ import annotations
