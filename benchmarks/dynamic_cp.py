@@ -21,7 +21,7 @@ barrier; the slowest rank's time counts). "video step" is the median wall time o
 that shows what the per-step agreement (one small all-gather) and the rebinding cost where nothing else changes;
 "degree agreement" times that part alone (:meth:`DynamicCP.begin`, the slowest rank's median per step).
 CPU wall times on a shared machine are noisy: each configuration reports its medians over rounds, and the
-rounds of the configurations alternate.
+rounds of the configurations alternate, in an order that rotates every round.
 """
 
 from __future__ import annotations
@@ -90,7 +90,8 @@ def _worker(rank: int, world: int, args) -> dict:
         inputs[(tokens, batch)] = base
     rounds = {config: [] for config in CONFIGS}
     for r in range(args.rounds + 1):
-        for config in CONFIGS:
+        for k in range(len(CONFIGS)):  # the order rotates each round: no configuration always runs after another
+            config = CONFIGS[(k + r) % len(CONFIGS)]
             dynamic, times = config.startswith("dynamic"), []
             controller.bind(CP)
             for _, tokens, batch in schedules[config]:
