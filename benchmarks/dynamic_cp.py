@@ -19,7 +19,8 @@ order. Rows:
 Samples per second = samples trained / the summed wall time of the timed steps (each step starts after a
 barrier; the slowest rank's time counts). "video step" is the median wall time of a video step: the figure
 that shows what the per-step agreement (one small all-gather) and the rebinding cost where nothing else changes;
-"degree agreement" times that part alone (:meth:`DynamicCP.begin`, the slowest rank's median per step).
+"degree agreement" times that part alone (:meth:`DynamicCP.begin`, the slowest rank's median per step), and a
+last A/B alternates video steps with and without it, step by step, where the load drifts least between them.
 CPU wall times on a shared machine are noisy: each configuration reports its medians over rounds, and the
 rounds of the configurations alternate, in an order that rotates every round.
 """
@@ -106,13 +107,30 @@ def _worker(rank: int, world: int, args) -> dict:
                 times.append((time.perf_counter() - start, agreed - start))
             if r:  # round 0 warms up
                 rounds[config].append(times)
-    return {"rounds": rounds, "schedules": schedules}
+    # the video step alone, A/B: fixed cp and dynamic CP alternate, step by step (the same work but the agreement)
+    video, ab = inputs[(args.video_tokens, 1)], {"fixed cp": [], "dynamic CP": []}
+    for k in range(2 * args.ab_repeats):
+        dynamic = k % 2 == 1
+        controller.bind(CP)
+        dist.barrier()
+        start = time.perf_counter()
+        if dynamic:
+            controller.begin(DynamicStep(args.video_tokens, 1))
+        ddp(**video, return_dict=False)[0].float().square().mean().backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        ab["dynamic CP" if dynamic else "fixed cp"].append(time.perf_counter() - start)
+    return {"rounds": rounds, "schedules": schedules, "ab": ab}
 
 
 def run(args) -> list[dict]:
     for config in CONFIGS:  # before any process starts
         _schedule(args, config)
     results = common.launch(_worker, WORLD, args, timeout=args.timeout)
+    ab = {
+        name: statistics.median(max(res["ab"][name][k] for res in results) for k in range(args.ab_repeats))
+        for name in ("fixed cp", "dynamic CP")
+    }
     rows = []
     for config in CONFIGS:
         steps = results[0]["schedules"][config]
@@ -141,6 +159,7 @@ def run(args) -> list[dict]:
                 "image_batch": next(b for kind, _, b in steps if kind == "image"),
             }
         )
+    rows.append({"config": "video A/B", **ab})
     return rows
 
 
@@ -152,12 +171,14 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--images-per-video", type=int, default=8, help="at least 1: half the samples short or more")
     parser.add_argument("--max-batch", type=int, default=16, help="cap of the per-bucket image batch")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--ab-repeats", type=int, default=6, help="video steps of each kind in the A/B")
     common.add_model_args(parser, timing=False)
     parser.set_defaults(text_tokens=32)
     args = parser.parse_args(argv)
     if args.images_per_video < 1:
         raise ValueError("--images-per-video must be >= 1 (the workload is at least half short samples).")
     rows = run(args)
+    ab = rows.pop()
     base = rows[0]["samples_per_s"]
     fixed_video = rows[0]["video_step"]
     print(
@@ -193,6 +214,11 @@ def main(argv=None) -> list[dict]:
             ],
         )
     )
+    print(
+        f"\nvideo step A/B ({args.ab_repeats} of each, alternating): fixed cp {ab['fixed cp']:.3f} s, dynamic CP "
+        f"{ab['dynamic CP']:.3f} s ({ab['dynamic CP'] / ab['fixed cp']:.3f}x)"
+    )
+    rows.append(ab)
     return rows
 
 
