@@ -37,7 +37,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader
 
-from cp_lightning import data_parallel, faults, loading, offload
+from cp_lightning import data_parallel, dynamic, faults, loading, offload
 from cp_lightning.compilation import compile_options, compile_targets
 from cp_lightning.mesh import CP, DP, _local_world_size, build_mesh, validate_degrees
 
@@ -182,6 +182,10 @@ class ContextParallel:
             blocks without repeating their CP communication (:mod:`cp_lightning.offload`), as for
             :class:`cp_lightning.ContextParallelStrategy`. Enable gradient checkpointing before ``prepare``
             (``model.enable_gradient_checkpointing()``); checked in ``prepare``. Not with ``compile=``.
+        dynamic_cp, min_tokens_per_rank, dynamic_weighting: each step at the CP degree its samples' length calls
+            for, as for :class:`cp_lightning.ContextParallelStrategy`: call :meth:`dynamic_step` before each
+            forward and multiply the loss by what it returns; the DataLoader's batch sampler gives each rank its
+            sub-group's batch (it is not sharded again). See docs/dynamic_cp.md.
     """
 
     def __init__(
@@ -204,6 +208,9 @@ class ContextParallel:
         compile: bool | Mapping = False,
         timeout: timedelta | float | None = None,
         activation_offload: bool = False,
+        dynamic_cp: bool = False,
+        min_tokens_per_rank: int | None = None,
+        dynamic_weighting: str = "samples",
     ) -> None:
         data_parallel.check_cp_options(cp, ring, plan, kernel, check_steps)
         self.timeout = faults.check_timeout(timeout) if timeout is not None else None
@@ -212,6 +219,19 @@ class ContextParallel:
         )
         self.compile = compile_options(compile)  # None when off
         self.activation_offload = offload.check_offload_option(activation_offload, compile=self.compile)
+        self.dynamic_cp, self.dynamic = bool(dynamic_cp), None  # the DynamicCP, built when the model is prepared
+        if dynamic_cp:
+            self.min_tokens_per_rank = dynamic.check_dynamic_options(
+                cp,
+                min_tokens_per_rank=min_tokens_per_rank,
+                weighting=dynamic_weighting,
+                loss_parallel=loss_parallel,
+                compile=self.compile,
+                hsdp=hsdp,
+            )
+            self.dynamic_weighting = dynamic_weighting
+        elif min_tokens_per_rank is not None:
+            raise ValueError("min_tokens_per_rank only applies with dynamic_cp=True; pass both or neither.")
         _check_accelerator(accelerator, cp, ring, allow_cross_node)
         _check_dynamo_plugin(accelerator, self.compile)
         if self.fsdp_options is not None:
@@ -253,6 +273,37 @@ class ContextParallel:
     @property
     def cp_rank(self) -> int:
         return self.mesh[CP].get_local_rank() if self.mesh is not None else 0
+
+    def dynamic_step(self, step: dynamic.DynamicStep, *, training: bool = True) -> float:
+        """Collective (dynamic_cp). Switch to ``step``'s CP degree before the forward; returns the factor to multiply
+        the micro-batch's mean loss by before ``accelerator.backward`` (which divides it by the accumulation
+        steps: the factor includes them). See :class:`cp_lightning.dynamic.DynamicCP`."""
+        if self.dynamic is None:
+            raise RuntimeError("dynamic_step needs ContextParallel(..., dynamic_cp=True) and a prepared model.")
+        accumulate = self.accelerator.gradient_accumulation_steps
+        return self.dynamic.begin(step, accumulate=accumulate, training=training)
+
+    def _parallelize(self, model: nn.Module) -> None:
+        if self.dynamic_cp:  # degrees whose Ulysses group the heads cannot fill run ring attention
+            self.ring = dynamic.ring_for_targets(model, self.plan, self.cp, self.ring)
+        data_parallel.parallelize_targets(
+            model,
+            mesh=self.mesh,
+            plan=self.plan,
+            ring=self.ring,
+            kernel=self.kernel,
+            loss_parallel=self.loss_parallel,
+            check_steps=self.check_steps,
+        )
+        if self.dynamic_cp and self.dynamic is None:
+            self.dynamic = dynamic.DynamicCP(
+                self.mesh,
+                [model],
+                ring=self.ring,
+                min_tokens_per_rank=self.min_tokens_per_rank,
+                weighting=self.dynamic_weighting,
+                timeout=self.timeout,
+            )
 
     def prepare(self, *objects: Any) -> Any:
         """Like ``accelerator.prepare``: models are parallelized and DDP-wrapped with exact gradient math,
@@ -309,15 +360,7 @@ class ContextParallel:
             return self.accelerator.prepare_model(model)
         if self.fsdp_options is not None:
             return self._shard_model(model)
-        data_parallel.parallelize_targets(
-            model,
-            mesh=self.mesh,
-            plan=self.plan,
-            ring=self.ring,
-            kernel=self.kernel,
-            loss_parallel=self.loss_parallel,
-            check_steps=self.check_steps,
-        )
+        self._parallelize(model)
         if self.activation_offload:  # after parallelize, before compile and DDP
             offload.apply_activation_offload(model, self.plan)
         compile_targets(model, self.plan, self.compile)  # after parallelize, before DDP
@@ -326,28 +369,26 @@ class ContextParallel:
         # not wrapped: nothing trainable, nothing to reduce; loss-parallel: DDP's own mean is exact
         if isinstance(wrapped, DistributedDataParallel):
             # Each CP rank's gradient is its shard's part: SUM over cp, MEAN over dp (DDP alone divides by dp x cp).
-            data_parallel.register_ddp_hook(wrapped, self.dp_size, self.loss_parallel)
+            # Dynamic CP: each rank's loss is its share of sum_i l_i / W already, so the SUM over the world.
+            data_parallel.register_ddp_hook(wrapped, 1 if self.dynamic_cp else self.dp_size, self.loss_parallel)
         return wrapped
 
     def _shard_model(self, model: nn.Module) -> nn.Module:
         """Parallelize, then shard with FSDP2; Accelerate sees the sharded model as a plain one (its DDP wrapping
         would reduce the gradients a second time)."""
         acc = self.accelerator
-        data_parallel.parallelize_targets(
-            model,
-            mesh=self.mesh,
-            plan=self.plan,
-            ring=self.ring,
-            kernel=self.kernel,
-            loss_parallel=self.loss_parallel,
-            check_steps=self.check_steps,
-        )
+        self._parallelize(model)
         if self.activation_offload:  # after parallelize, before compile and fully_shard
             offload.apply_activation_offload(model, self.plan)
         compile_targets(model, self.plan, self.compile)  # after parallelize, before fully_shard
         loading.move_unpending(model, acc.device)  # meta-built weights are allocated after sharding
         data_parallel.apply_fsdp(
-            model, mesh=self.mesh, plan=self.plan, options=self.fsdp_options, loss_parallel=self.loss_parallel
+            model,
+            mesh=self.mesh,
+            plan=self.plan,
+            options=self.fsdp_options,
+            loss_parallel=self.loss_parallel,
+            dynamic_cp=self.dynamic_cp,
         )
         # each rank allocates and reads only its own shards (in host memory with cpu_offload)
         loading.materialize(model, "cpu" if self.fsdp_options.cpu_offload else acc.device)
@@ -416,12 +457,14 @@ class ContextParallel:
         from accelerate.data_loader import prepare_data_loader
 
         acc = self.accelerator
-        # Accelerate's own sharding with the data-parallel axis as the "processes": CP peers share a shard.
+        # Accelerate's own sharding with the data-parallel axis as the "processes": CP peers share a shard. Dynamic
+        # CP: the loader's batch sampler already gives each rank its sub-group's batches (docs/dynamic_cp.md).
+        replicas, index = (1, 0) if self.dynamic_cp else (self.dp_size, self.dp_rank)
         prepared = prepare_data_loader(
             loader,
             acc.device,
-            num_processes=self.dp_size,
-            process_index=self.dp_rank,
+            num_processes=replicas,
+            process_index=index,
             split_batches=acc.split_batches,
             put_on_device=acc.device_placement,
             rng_types=acc.rng_types.copy(),

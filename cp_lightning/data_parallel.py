@@ -375,7 +375,13 @@ def is_sharded(module: nn.Module) -> bool:
 
 
 def apply_fsdp(
-    root: nn.Module, *, mesh: DeviceMesh, plan: Mapping | None, options: FSDPOptions, loss_parallel: bool
+    root: nn.Module,
+    *,
+    mesh: DeviceMesh,
+    plan: Mapping | None,
+    options: FSDPOptions,
+    loss_parallel: bool,
+    dynamic_cp: bool = False,
 ) -> nn.Module:
     """Shard every parallelized module of ``root`` with FSDP2, in place (after :func:`parallelize_targets`
     and activation checkpointing). Returns ``root``.
@@ -383,9 +389,10 @@ def apply_fsdp(
     Gradient math: FSDP's reduce-scatter sums over its mesh and divides by a factor. Each CP rank's
     gradient is its shard's part, so the exact factor is dp (SUM over cp, MEAN over dp); FSDP's default
     (the mesh size, dp x cp) is cp times too small. In loss-parallel mode each rank's loss covers its
-    own shard and dp x cp is exact. The factor is set on every FSDP unit (``set_gradient_divide_factor``
-    is not recursive). gloo has no PREMUL_SUM (and its AVG is unreliable), so there the reductions are
-    forced to plain sums with a separate division.
+    own shard and dp x cp is exact. Under dynamic CP each rank's loss is already its share of the step's
+    sum_i l_i / W (:mod:`cp_lightning.dynamic`) and the factor is 1. The factor is set on every FSDP unit
+    (``set_gradient_divide_factor`` is not recursive). gloo has no PREMUL_SUM (and its AVG is unreliable),
+    so there the reductions are forced to plain sums with a separate division.
     """
     from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
@@ -406,7 +413,7 @@ def apply_fsdp(
             fully_shard(block, reshard_after_forward=options.reshard_after_forward, **kwargs)
         # the root's parameters are needed first in backward: keep them gathered after forward
         fully_shard(target, reshard_after_forward=False, **kwargs)
-    factor = float(dp * cp if loss_parallel else dp)
+    factor = 1.0 if dynamic_cp else float(dp * cp if loss_parallel else dp)
     force_sum = dist.get_backend(shard_mesh.get_group(0)) == "gloo"
     for module in root.modules():
         if isinstance(module, FSDPModule):

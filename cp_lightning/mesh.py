@@ -140,3 +140,65 @@ def cp_groups(mesh: DeviceMesh, ring: int = 1) -> CPGroups:
         )
     _GROUP_CACHE[key] = (mesh, groups)
     return groups
+
+
+def sub_degrees(cp: int) -> list[int]:
+    """The CP degrees dynamic CP runs at: every power of two dividing ``cp`` (``cp`` must be one), ascending."""
+    _check_int("cp", cp)
+    if cp & (cp - 1):
+        raise ValueError(
+            f"dynamic_cp needs a power-of-two cp (its sub-groups halve down to 1), got cp={cp}; use cp="
+            f"{1 << (cp.bit_length() - 1)} or {1 << cp.bit_length()}, or dynamic_cp=False."
+        )
+    return [1 << k for k in range(cp.bit_length())]
+
+
+def sub_layout(degree: int, cp: int, ring: int) -> tuple[int, int]:
+    """(ring, ulysses) of a CP sub-group of ``degree`` ranks, when the whole cp axis runs ``ring`` x ``cp / ring``.
+
+    Ulysses keeps at most the full layout's degree (so every head count that suits the full layout suits
+    each sub-group), filling the sub-group before any ring is added."""
+    ulysses = min(degree, cp // ring)
+    return degree // ulysses, ulysses
+
+
+_SUBGROUP_CACHE: dict[tuple[int, int], tuple[DeviceMesh, dict[int, CPGroups]]] = {}
+
+
+def cp_subgroups(mesh: DeviceMesh, ring: int = 1) -> dict[int, CPGroups]:
+    """This rank's CP sub-groups: for every degree c of :func:`sub_degrees`, runs of c consecutive ranks of its
+    CP group, split into (ring, ulysses) like the whole axis (:func:`sub_layout`). Degree cp is
+    :func:`cp_groups`' own. Collective: every rank of the world calls it (new groups); results are cached."""
+    cp_size = (mesh[CP] if mesh.ndim > 1 else mesh).size()
+    key = (id(mesh), ring)
+    if key in _SUBGROUP_CACHE:
+        return _SUBGROUP_CACHE[key][1]
+    world, rank = dist.get_world_size(), dist.get_rank()
+    out: dict[int, CPGroups] = {}
+    for degree in sub_degrees(cp_size):
+        if degree == cp_size:
+            out[degree] = cp_groups(mesh, ring)
+            continue
+        sub_ring, ulysses = sub_layout(degree, cp_size, ring)
+        starts = range(0, world, degree)  # CP groups are consecutive runs of cp ranks, and degree divides cp
+        cp_group = _subgroup([list(range(s, s + degree)) for s in starts], rank)
+        ulysses_group, ring_group = cp_group, None
+        if sub_ring > 1:
+            # s + ring position x ulysses + ulysses position, as in cp_groups
+            ulysses_group = _subgroup([list(range(u, u + ulysses)) for u in range(0, world, ulysses)], rank)
+            rings = [list(range(s + i, s + degree, ulysses)) for s in starts for i in range(ulysses)]
+            ring_group = _subgroup(rings, rank)
+        out[degree] = CPGroups(cp=cp_group, ulysses=ulysses_group, ring=ring_group, cp_size=degree, ring_size=sub_ring)
+    _SUBGROUP_CACHE[key] = (mesh, out)
+    return out
+
+
+def _subgroup(rank_lists: list[list[int]], rank: int) -> dist.ProcessGroup:
+    """Create every group of ``rank_lists`` (collective: all ranks create all of them) and return ``rank``'s."""
+    mine = None
+    for ranks in rank_lists:
+        group = dist.new_group(ranks)
+        if rank in ranks:
+            mine = group
+    assert mine is not None, (rank, rank_lists)
+    return mine

@@ -123,6 +123,21 @@ def remove(module: nn.Module) -> nn.Module:
     return module
 
 
+def set_groups(module: nn.Module, groups: CPGroups) -> None:
+    """Run a parallelized ``module``'s next forward passes over ``groups`` instead (a CP sub-group of the one
+    it was parallelized over: :mod:`cp_lightning.dynamic`). Local, no collective: every rank of the new
+    group must switch before the next forward pass, and the model's heads must suit its Ulysses degree."""
+    state = parallel_state(module)
+    if state is None:
+        raise ValueError("this module is not parallelized.")
+    state.groups = groups
+    state.split.set_group(groups.cp)
+    if state.check is not None:
+        state.check.group = groups.cp  # the consistency check then compares the sub-group's peers
+    for route in state.routes:
+        route.config.groups = groups
+
+
 def parallel_state(module: nn.Module) -> ParallelState | None:
     """The :class:`ParallelState` of a parallelized module, or None."""
     return getattr(module, _STATE, None)

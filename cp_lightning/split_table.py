@@ -64,6 +64,11 @@ class SplitState:
         self.key = id(self)
         _STATES[self.key] = self
 
+    def set_group(self, group: dist.ProcessGroup) -> None:
+        """Run the next forward passes over ``group`` (dynamic CP rebinds it between steps); no collective."""
+        self.world, self.rank = dist.get_world_size(group), dist.get_rank(group)
+        self.group = group
+
     def start_forward(self) -> None:
         if self.joint:
             # a fresh dict, not a cleared one: a compiled graph then never guards on the previous pass's

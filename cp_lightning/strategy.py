@@ -36,7 +36,7 @@ from lightning.pytorch.strategies.launchers.subprocess_script import _Subprocess
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from cp_lightning import data_parallel, faults, loading, offload, sharded_checkpoint
+from cp_lightning import data_parallel, dynamic, faults, loading, offload, sharded_checkpoint
 from cp_lightning.checkpoint_io import AtomicCheckpointIO, repair_epoch_progress
 from cp_lightning.compilation import compile_options, compile_targets
 from cp_lightning.mesh import CP, DP, build_mesh
@@ -76,6 +76,32 @@ class _ContextParallel:
     def _set_collective_timeout(self) -> None:
         """Collective. Every group of the mesh: torch gives new groups 30 min, whatever the world's timeout."""
         faults.set_collective_timeout(self._collective_timeout or self._timeout, self.device_mesh, self.ring)
+
+    def _init_dynamic(self, dynamic_cp, min_tokens_per_rank, weighting) -> None:
+        """After _init_fsdp and _init_compile: dynamic CP's options are checked against theirs."""
+        self.dynamic_cp, self.dynamic = bool(dynamic_cp), None  # the DynamicCP, built in _parallelize
+        if not dynamic_cp:
+            if min_tokens_per_rank is not None:
+                raise ValueError("min_tokens_per_rank only applies with dynamic_cp=True; pass both or neither.")
+            return
+        if self._auto_cp:
+            raise ValueError("dynamic_cp needs a number for cp (its largest degree), not cp='auto'.")
+        self.min_tokens_per_rank = dynamic.check_dynamic_options(
+            self.cp,
+            min_tokens_per_rank=min_tokens_per_rank,
+            weighting=weighting,
+            loss_parallel=self.loss_parallel,
+            compile=self.compile,
+            hsdp=self.fsdp and self.fsdp_options.hsdp,
+        )
+        self.dynamic_weighting = weighting
+
+    def dynamic_step(self, step: dynamic.DynamicStep, *, accumulate: int = 1, training: bool = True) -> float:
+        """Collective (dynamic_cp). Switch to ``step``'s CP degree; returns the factor for its mean loss (see
+        :meth:`cp_lightning.dynamic.DynamicCP.begin`). Lightning calls it per batch; Fabric users call it."""
+        if self.dynamic is None:
+            raise RuntimeError("dynamic_step needs dynamic_cp=True and a set-up model (fabric.setup / trainer.fit).")
+        return self.dynamic.begin(step, accumulate=accumulate, training=training)
 
     def _init_compile(self, compile, activation_offload=False) -> None:
         self.compile = compile_options(compile)  # None when off; checked before any process starts
@@ -185,6 +211,8 @@ class _ContextParallel:
     def _parallelize(self, root: nn.Module) -> None:
         # before parallelize communicates
         offload.check_activation_offload(root, self.plan, enabled=self.activation_offload, compile=self.compile)
+        if self.dynamic_cp:
+            self.ring = dynamic.ring_for_targets(root, self.plan, self.cp, self.ring)
         data_parallel.parallelize_targets(
             root,
             mesh=self.device_mesh,
@@ -196,6 +224,15 @@ class _ContextParallel:
         )
         if self.activation_offload:  # after parallelize, before compile and DDP/FSDP wrapping
             offload.apply_activation_offload(root, self.plan)
+        if self.dynamic_cp and self.dynamic is None:
+            self.dynamic = dynamic.DynamicCP(
+                self.device_mesh,
+                [root],
+                ring=self.ring,
+                min_tokens_per_rank=self.min_tokens_per_rank,
+                weighting=self.dynamic_weighting,
+                timeout=self._collective_timeout or getattr(self, "_timeout", None),
+            )
 
     def _shard(self, root: nn.Module) -> None:
         options = self.fsdp_options
@@ -203,7 +240,12 @@ class _ContextParallel:
         if dtype is not None:
             options = data_parallel.FSDPOptions(**{**options.__dict__, "param_dtype": dtype})
         data_parallel.apply_fsdp(
-            root, mesh=self.device_mesh, plan=self.plan, options=options, loss_parallel=self.loss_parallel
+            root,
+            mesh=self.device_mesh,
+            plan=self.plan,
+            options=options,
+            loss_parallel=self.loss_parallel,
+            dynamic_cp=self.dynamic_cp,
         )
 
     # -- weights built on the meta device (cp_lightning.loading.empty_model) --------------------------
@@ -236,8 +278,9 @@ class _ContextParallel:
         return meta
 
     def _register_cp_hook(self, ddp: nn.parallel.DistributedDataParallel) -> None:
+        # dynamic CP: every rank's loss is already its share of sum_i l_i / W, so the world's SUM is the gradient
         data_parallel.register_ddp_hook(
-            ddp, self.dp_size, self.loss_parallel, nonfinite=getattr(self, "nonfinite", None)
+            ddp, 1 if self.dynamic_cp else self.dp_size, self.loss_parallel, nonfinite=getattr(self, "nonfinite", None)
         )
 
     def shard(self, tensor: torch.Tensor, dim: int = 1) -> torch.Tensor:
@@ -249,6 +292,12 @@ class _ContextParallel:
     @property
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
         # CP peers must draw the same samples: the sampler sees only the data-parallel axis
+        if self.dynamic_cp:
+            raise ValueError(
+                "dynamic_cp needs a sampler that knows each step's degree (sub-groups of one CP group take different "
+                "samples): pass use_distributed_sampler=False to the Trainer and a degree-aware batch sampler "
+                "(recipes.buckets.BucketBatchSampler, or see docs/dynamic_cp.md)."
+            )
         return {"num_replicas": self.dp_size, "rank": self.dp_rank}
 
 
@@ -288,6 +337,13 @@ class ContextParallelStrategy(_ContextParallel, DDPStrategy):
             asynchronously on CUDA) and recompute blocks without repeating their CP communication: the outputs
             of the all-to-alls and of ring attention are kept (:mod:`cp_lightning.offload`). Needs gradient
             checkpointing (``model.enable_gradient_checkpointing()`` in ``configure_model``); checked at setup.
+        dynamic_cp: run each step at the CP degree its samples' length calls for (:mod:`cp_lightning.dynamic`,
+            docs/dynamic_cp.md): sub-groups of every power-of-two degree dividing cp (a power of two) are built at
+            set-up; the LightningModule's ``dynamic_cp_step(batch)`` says each batch's tokens per sample, samples
+            and the step's total W; gradients stay exact under any mix of degrees. Needs a degree-aware batch
+            sampler (``use_distributed_sampler=False``; the recipes' bucket sampler is one).
+        min_tokens_per_rank: (dynamic_cp) a step runs at the largest degree whose tokens per rank reach it.
+        dynamic_weighting: (dynamic_cp) ``"samples"`` (each sample's loss weighs 1) or ``"tokens"``.
         **kwargs: passed to Lightning's ``DDPStrategy`` (``start_method``, ``checkpoint_io``, DDP arguments).
             Checkpoints are written atomically (:class:`~cp_lightning.checkpoint_io.AtomicCheckpointIO`)
             unless another ``checkpoint_io`` is given.
@@ -316,12 +372,16 @@ class ContextParallelStrategy(_ContextParallel, DDPStrategy):
         timeout: timedelta | float | None = None,
         nonfinite: str = "raise",
         activation_offload: bool = False,
+        dynamic_cp: bool = False,
+        min_tokens_per_rank: int | None = None,
+        dynamic_weighting: str = "samples",
         **kwargs: Any,
     ) -> None:
         self._init_cp(cp, ring, plan, loss_parallel, kernel, allow_cross_node, check_steps)
         self._plan_hints = {"tokens": list(tokens) if tokens else None, "gpu_memory": gpu_memory}
         self._init_fsdp(fsdp, reshard_after_forward, cpu_offload, hsdp, fsdp_blocks)
         self._init_compile(compile, activation_offload)
+        self._init_dynamic(dynamic_cp, min_tokens_per_rank, dynamic_weighting)
         self.nonfinite = faults.NonFiniteCheck(nonfinite)
         self._init_timeout(timeout, kwargs)
         kwargs.setdefault("checkpoint_io", AtomicCheckpointIO())
@@ -338,6 +398,8 @@ class ContextParallelStrategy(_ContextParallel, DDPStrategy):
         self._rank_table = faults.rank_table()
 
     def setup(self, trainer) -> None:
+        if self.dynamic_cp:
+            dynamic.check_module(self.lightning_module)  # before any collective
         if self.fsdp:
             options = self.fsdp_options
             data_parallel.check_fsdp_model(self.lightning_module, self.plan, options)  # before any collective
@@ -350,13 +412,40 @@ class ContextParallelStrategy(_ContextParallel, DDPStrategy):
         super().setup(trainer)
 
     def training_step(self, *args, **kwargs):
+        if self.dynamic_cp:
+            return self._dynamic_training_step(*args, **kwargs)
         out = super().training_step(*args, **kwargs)
         loss = out.get("loss") if isinstance(out, Mapping) else out
         if self.nonfinite.active and isinstance(loss, torch.Tensor):
             self.nonfinite.note_loss(loss)
         return out
 
+    def _dynamic_training_step(self, *args, **kwargs):
+        # the degree before the forward's first collective; the loss weighted after it (Lightning then divides
+        # it by accumulate_grad_batches, which the factor includes)
+        trainer = self.lightning_module.trainer
+        step = dynamic.step_of(self.lightning_module, args[0])
+        factor = self.dynamic_step(step, accumulate=trainer.accumulate_grad_batches)
+        out = super().training_step(*args, **kwargs)
+        if isinstance(out, Mapping):
+            return {**out, "loss": out["loss"] * factor}
+        if self.nonfinite.active and isinstance(out, torch.Tensor):
+            self.nonfinite.note_loss(out)
+        return out * factor
+
+    def validation_step(self, *args, **kwargs):
+        if self.dynamic is not None:  # validation batches are dp-sharded as without dynamic CP: the full CP group
+            self.dynamic.bind(self.cp)
+        return super().validation_step(*args, **kwargs)
+
     def optimizer_step(self, optimizer, closure, model=None, **kwargs):
+        try:
+            return self._optimizer_step(optimizer, closure, model, **kwargs)
+        finally:
+            if self.dynamic is not None:  # callbacks between steps (sampling) see the full CP group
+                self.dynamic.bind(self.cp)
+
+    def _optimizer_step(self, optimizer, closure, model=None, **kwargs):
         if not self.nonfinite.active:
             return super().optimizer_step(optimizer, closure, model, **kwargs)
         trainer = self.lightning_module.trainer
@@ -523,6 +612,9 @@ class FabricContextParallelStrategy(_ContextParallel, FabricDDPStrategy):
         timeout: timedelta | float | None = None,
         nonfinite: str = "raise",
         activation_offload: bool = False,
+        dynamic_cp: bool = False,
+        min_tokens_per_rank: int | None = None,
+        dynamic_weighting: str = "samples",
         **kwargs: Any,
     ) -> None:
         if cp == "auto":
@@ -537,6 +629,7 @@ class FabricContextParallelStrategy(_ContextParallel, FabricDDPStrategy):
         self._init_cp(cp, ring, plan, loss_parallel, kernel, allow_cross_node, check_steps)
         self._init_fsdp(fsdp, reshard_after_forward, cpu_offload, hsdp, fsdp_blocks)
         self._init_compile(compile, activation_offload)
+        self._init_dynamic(dynamic_cp, min_tokens_per_rank, dynamic_weighting)
         self._init_timeout(timeout, kwargs)
         self.nonfinite = faults.NonFiniteCheck(nonfinite, owner="FabricContextParallelStrategy")
         self._optimizer_steps = 0  # Fabric keeps no step count: the one named in a non-finite step's error

@@ -10,7 +10,9 @@ formula the presets' comments quote).
 
 :class:`BucketBatchSampler` gives every batch one bucket. It is sized by data-parallel ranks only: CP
 peers (same dp rank) get the same batches, dp ranks different ones; which batches a rank gets depends
-only on (seed, epoch, dp layout), and every rank takes the same number of steps.
+only on (seed, epoch, dp layout), and every rank takes the same number of steps. Under dynamic CP
+(``degrees``) it is sized by the world instead: each micro-batch is one bucket's batches for the
+world / c sub-groups of its degree c, the ranks of a sub-group sharing one.
 """
 
 from __future__ import annotations
@@ -127,17 +129,66 @@ class BucketBatchSampler:
     one bucket are dealt out in groups of dp, one per rank, and the groups shuffled: at every step all dp
     ranks hold the same bucket and batch size, so DDP's mean of the ranks' mean losses is the mean over the
     step's samples, as with one batch size.
+
+    Dynamic CP (``degrees``, bucket -> CP degree c; ``num_replicas`` and ``rank`` are then the world's): a
+    bucket's batches are dealt out in groups of world / c, one per sub-group (ranks r with the same r // c share
+    it), and the groups of every bucket shuffled together: each micro-batch is one bucket, so one degree, on
+    every rank. Items are ``(index, epoch, tokens, W)``: the bucket's ``tokens[bucket]`` (what the strategy picks
+    the degree from) and W, the optimizer step's sample count (or token count, ``weighting="tokens"``) over its
+    ``accumulate`` micro-batches and every sub-group, which the loss is divided by (cp_lightning.dynamic).
     """
 
-    def __init__(self, buckets: list, batch_size, *, num_replicas: int = 1, rank: int = 0, seed: int = 0):
+    def __init__(
+        self,
+        buckets: list,
+        batch_size,
+        *,
+        num_replicas: int = 1,
+        rank: int = 0,
+        seed: int = 0,
+        degrees: Mapping | None = None,
+        tokens: Mapping | None = None,
+        accumulate: int = 1,
+        weighting: str = "samples",
+    ):
         self.buckets, self.batch_size = list(buckets), batch_size
         self.num_replicas, self.rank, self.seed, self.epoch = num_replicas, rank, seed, 0
+        self.degrees, self.tokens, self.accumulate, self.weighting = degrees, tokens, accumulate, weighting
+        if degrees is not None and (tokens is None or any(num_replicas % degrees[b] for b in set(self.buckets))):
+            raise ValueError("dynamic CP batches need every bucket's tokens and degrees that divide the world.")
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
 
     def _size(self, bucket) -> int:
         return self.batch_size[bucket] if isinstance(self.batch_size, Mapping) else self.batch_size
+
+    def _dynamic_groups(self) -> list[tuple]:
+        """Dynamic CP: (bucket, [one batch per sub-group]) per micro-batch, shuffled; the same list on every rank."""
+        rng = random.Random(self.seed * 1_000_003 + self.epoch)
+        members: dict = {}
+        for i, b in enumerate(self.buckets):
+            members.setdefault(b, []).append(i)
+        groups = []
+        for b in sorted(members):
+            ids, size, n = members[b], self._size(b), self.num_replicas // self.degrees[b]
+            rng.shuffle(ids)
+            cut = [ids[k : k + size] for k in range(0, len(ids) - size + 1, size)]
+            groups += [(b, cut[k : k + n]) for k in range(0, len(cut) - n + 1, n)]
+        rng.shuffle(groups)
+        return groups
+
+    def _dynamic_batches(self) -> list[list[tuple]]:
+        """This rank's micro-batches, each item (index, epoch, tokens, W); W summed over each step's micro-batches."""
+        groups, out = self._dynamic_groups(), []
+        for start in range(0, len(groups), self.accumulate):
+            step = groups[start : start + self.accumulate]
+            weight = lambda b: self.tokens[b] if self.weighting == "tokens" else 1  # noqa: E731
+            total = float(sum(len(batch) * weight(b) for b, batches in step for batch in batches))
+            for b, batches in step:
+                batch = batches[self.rank // self.degrees[b]]
+                out.append([(i, self.epoch, self.tokens[b], total) for i in batch])
+        return out
 
     def _batches(self) -> list[list[int]]:
         rng = random.Random(self.seed * 1_000_003 + self.epoch)
@@ -159,10 +210,15 @@ class BucketBatchSampler:
         return batches[: len(batches) // self.num_replicas * self.num_replicas]
 
     def __iter__(self):
+        if self.degrees is not None:
+            yield from self._dynamic_batches()
+            return
         for batch in self._batches()[self.rank :: self.num_replicas]:
             yield [(i, self.epoch) for i in batch]
 
     def __len__(self) -> int:
+        if self.degrees is not None:
+            return len(self._dynamic_groups())
         return len(self._batches()) // self.num_replicas
 
 
@@ -174,12 +230,25 @@ def auto_batch_sizes(rows: list[dict], split_tokens, *, dp: int, fits=None) -> d
     target = max(split_tokens(r) for r in rows)
     sizes = {}
     for row in rows:
-        batch = max(1, min(target // split_tokens(row), row["samples"] // dp))
+        replicas = dp(row) if callable(dp) else dp  # (dynamic CP: world / the bucket's degree)
+        batch = max(1, min(target // split_tokens(row), row["samples"] // replicas))
         while fits is not None and batch > 1 and not fits(row, batch):
             batch -= 1
         sizes[(row["frames"], row["height"], row["width"])] = batch
         row["batch"], row["batches"] = batch, row["samples"] // batch
     return sizes
+
+
+def add_degrees(rows: list[dict], tokens, cp: int, min_tokens_per_rank: int) -> None:
+    """Dynamic CP: each row's ``cp_degree`` (cp_lightning.dynamic.choose_degree of its split tokens) and its
+    ``tokens_per_cp_rank`` at that degree. ``tokens(row)`` -> (split tokens, text tokens)."""
+    from cp_lightning.dynamic import choose_degree
+
+    for row in rows:
+        split, text = tokens(row)
+        degree = choose_degree(split, cp, min_tokens_per_rank)
+        row["cp_degree"] = degree
+        row["tokens_per_cp_rank"] = math.ceil(split / degree) + (math.ceil(text / degree) if text else 0)
 
 
 def bucket_table(samples: list[dict], batch_size: int, cp: int, tokens) -> list[dict]:

@@ -192,7 +192,8 @@ def write_index(samples: list[dict], path: Path) -> None:
 
 class CachedDataset(torch.utils.data.Dataset):
     """The cached entries listed in an index. ``dataset[(i, epoch)]`` (what BucketBatchSampler yields)
-    applies caption dropout drawn from (seed, epoch, i); ``dataset[i]`` is epoch 0."""
+    applies caption dropout drawn from (seed, epoch, i); ``dataset[i]`` is epoch 0; ``dataset[(i, epoch, tokens,
+    W)]`` (dynamic CP) adds ``cp_tokens`` and ``step_total``."""
 
     def __init__(self, index: str | Path, *, caption_dropout: float = 0.0, seed: int = 0):
         index = Path(index)
@@ -216,10 +217,15 @@ class CachedDataset(torch.utils.data.Dataset):
         return bool(torch.rand((), generator=g) < self.caption_dropout)
 
     def __getitem__(self, item):
-        index, epoch = item if isinstance(item, tuple) else (item, 0)
+        index, epoch, *dynamic = item if isinstance(item, tuple) else (item, 0)
         entry = load_file(str(self.folder / f"{self.rows[index]['key']}.safetensors"))
         if self.dropped(index, epoch):
             if self._empty is None:
                 self._empty = load_file(str(self.folder / f"{EMPTY}.safetensors"))
             entry |= self._empty
+        if dynamic:  # dynamic CP: the bucket's tokens and the step's total W (BucketBatchSampler)
+            entry |= {
+                "cp_tokens": torch.tensor(dynamic[0]),
+                "step_total": torch.tensor(dynamic[1], dtype=torch.float64),
+            }
         return entry | {"index": index}

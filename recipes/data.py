@@ -20,6 +20,7 @@ from torch.utils.data import DataLoader
 from recipes.buckets import (
     DEFAULT_ASPECT_RATIOS,
     BucketBatchSampler,
+    add_degrees,
     auto_batch_sizes,
     bucket_table,
     format_table,
@@ -276,15 +277,27 @@ class EncodedData(L.LightningDataModule):
             s["key"] = digest(
                 [s["source"].stamp, s["caption"], s["frames"], [b.frames, b.height, b.width], options, model]
             )
-        self.table = bucket_table(samples, batch, cp, self.tokens)
+        dynamic = self._dynamic()
+        self.table = bucket_table(samples, batch, 1 if dynamic else cp, self.tokens)
+        if dynamic:  # each bucket's CP degree, and its tokens per rank at that degree
+            add_degrees(self.table, lambda row: self.tokens(_Bucket(row)), cp, dynamic.min_tokens_per_rank)
         if h.batch_size == "auto":
             from recipes.planning import memory_check
 
             _, world, *_ = self._layout()
             split = lambda row: self.tokens(_Bucket(row))[0]  # noqa: E731
-            fits = memory_check(self, world, cp)
-            self.batch_sizes = auto_batch_sizes(self.table, split, dp=max(world // cp, 1), fits=fits)
+            if dynamic:  # tokens per rank equalised at each bucket's degree, the samples dealt to world / c
+                dp = lambda row: world // row["cp_degree"]  # noqa: E731
+                self.batch_sizes = auto_batch_sizes(self.table, lambda r: split(r) * cp // r["cp_degree"], dp=dp)
+            else:
+                fits = memory_check(self, world, cp)
+                self.batch_sizes = auto_batch_sizes(self.table, split, dp=max(world // cp, 1), fits=fits)
         return samples
+
+    def _dynamic(self):
+        """The strategy when it runs dynamic CP (its min_tokens_per_rank and weighting), else None."""
+        strategy = self.trainer.strategy if self.trainer is not None else None
+        return strategy if getattr(strategy, "dynamic_cp", False) else None
 
     def setup(self, stage: str) -> None:
         if self.dataset is not None:
@@ -345,7 +358,11 @@ class EncodedData(L.LightningDataModule):
     def train_dataloader(self) -> DataLoader:
         # Sized by the strategy (dp ranks under CP: CP peers get the same batches), one replica otherwise.
         trainer = self.trainer
-        kwargs = (trainer.distributed_sampler_kwargs if trainer else None) or {"num_replicas": 1, "rank": 0}
+        dynamic = self._dynamic()
+        if dynamic:  # sized by the world: each micro-batch's sub-groups take different batches
+            kwargs = {"num_replicas": trainer.world_size, "rank": trainer.global_rank, **self._dynamic_kwargs()}
+        else:
+            kwargs = (trainer.distributed_sampler_kwargs if trainer else None) or {"num_replicas": 1, "rank": 0}
         sizes = self.batch_sizes or self.hparams.batch_size
         sampler = BucketBatchSampler(self.dataset.buckets, sizes, seed=self.hparams.seed, **kwargs)
         if len(sampler) == 0:
@@ -355,6 +372,15 @@ class EncodedData(L.LightningDataModule):
             )
         # resumable: a checkpoint records the position in the epoch (recipes/checkpoints.py)
         return ResumableLoader(self.dataset, batch_sampler=sampler, trainer=trainer)
+
+    def _dynamic_kwargs(self) -> dict:
+        rows = {(r["frames"], r["height"], r["width"]): r for r in self.table}
+        return {
+            "degrees": {b: r["cp_degree"] for b, r in rows.items()},
+            "tokens": {b: self.tokens(_Bucket(r))[0] for b, r in rows.items()},
+            "accumulate": self.trainer.accumulate_grad_batches,
+            "weighting": self.trainer.strategy.dynamic_weighting,
+        }
 
     def _add_memory_estimate(self) -> None:
         """Adds the layout planner's ``est_gib_per_gpu`` for the Trainer's layout to the table."""

@@ -281,6 +281,12 @@ class FlowMatchingFineTune(L.LightningModule):
         self.log("train_t", t.float().mean(), sync_dist=True)  # the drawn times, layout-independent
         return loss
 
+    def dynamic_cp_step(self, batch):
+        """Dynamic CP: the micro-batch's tokens per sample and the step's total W (from the bucket sampler)."""
+        from cp_lightning.dynamic import DynamicStep
+
+        return DynamicStep(int(batch["cp_tokens"][0]), len(batch["index"]), float(batch["step_total"][0]))
+
     def optimizer_step(self, *args, **kwargs) -> None:
         super().optimizer_step(*args, **kwargs)
         # here, not in on_train_batch_end: checkpoint callbacks run before the module's batch-end hook,

@@ -207,3 +207,17 @@ def test_scale_memory_marks_options_this_checkout_lacks():
     assert scale_memory.available(fp8, {"weights_dtype", "base_dtype"})
     assert not scale_memory.available(fp8, {"weights_dtype"})
     assert scale_memory.available(scale_memory.MODES["ddp"], set())
+
+
+def test_dynamic_cp_benchmark_trains_the_same_samples_in_every_configuration(capsys):
+    from benchmarks import dynamic_cp
+
+    argv = ["--image-tokens", "16", "--video-tokens", "256", "--videos", "1", "--images-per-video", "16"]
+    argv += ["--rounds", "1", "--ab-repeats", "1", "--layers", "1", "--max-batch", "4", "--text-tokens", "8"]
+    rows = dynamic_cp.main(argv)
+    ab = rows.pop()
+    assert ab["config"] == "video A/B" and ab["fixed cp"] > 0 and ab["dynamic CP"] > 0
+    assert [r["config"] for r in rows] == list(dynamic_cp.CONFIGS)
+    assert {r["samples"] for r in rows} == {17} and [r["image_batch"] for r in rows] == [1, 4, 1, 4]
+    assert all(r["samples_per_s"] > 0 and r["video_step"] > 0 for r in rows)
+    assert "| dynamic CP | 1 |" in capsys.readouterr().out

@@ -265,6 +265,7 @@ def _split(x: torch.Tensor, spec: ContextParallelInput, group, where: str, check
         )
     if state is not None:
         state._note_split(where)
+        group = state.group  # the current CP group (dynamic CP rebinds it between steps: cp_lightning.dynamic)
     try:
         local = collectives.shard(x, spec.split_dim, group)
     except ValueError as err:
@@ -357,6 +358,7 @@ def _split_joint(x, spec: JointInput, group, where: str, check=None, state=None)
         )
     if state is not None:
         state._note_split(where)
+        group = state.group
     if check is not None:
         check(where, x)
     world = dist.get_world_size(group)
@@ -419,7 +421,7 @@ def _gather_hook(name: str, spec, group, state: SplitState, gather: bool) -> Cal
                 )
             lengths = None if state.even else state.lengths_of(x, out_spec.gather_dim, f"{name}->output[{i}]")
             if gather:
-                items[i] = collectives.gather(x, out_spec.gather_dim, group, record=state.record, lengths=lengths)
+                items[i] = collectives.gather(x, out_spec.gather_dim, state.group, record=state.record, lengths=lengths)
                 continue
             weight = 1.0
             if lengths is not None:
@@ -475,9 +477,8 @@ def apply_plan(
                 hook = _gather_hook(name, entry.spec, group, state, gather or not entry.terminal)
                 handles.append(sub.register_forward_hook(hook))
     if root is not None:
-        cp = dist.get_world_size(group)
         handles.append(root.register_forward_pre_hook(lambda *_: state.begin_forward(not gather), prepend=True))
-        handles.append(root.register_forward_hook(lambda _m, _a, out: finish_forward(out, state.record, cp)))
+        handles.append(root.register_forward_hook(lambda _m, _a, out: finish_forward(out, state.record, state.world)))
     return handles
 
 
