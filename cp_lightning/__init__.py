@@ -7,11 +7,12 @@ LoRA run's frozen base in float8 (:mod:`cp_lightning.fp8`).
 
 from cp_lightning.checks import CPMismatchError
 from cp_lightning.compilation import compile_blocks
+from cp_lightning.fabric import FabricContextParallelStrategy
 from cp_lightning.fp8 import FP8Linear, fp8_weight_error, quantize_fp8, to_fp8_base
 from cp_lightning.mesh import build_mesh
 from cp_lightning.parallelize import loss_shard, parallelize, remove
 from cp_lightning.plan import Unsplit
-from cp_lightning.strategy import ContextParallelStrategy, FabricContextParallelStrategy
+from cp_lightning.strategy import ContextParallelStrategy
 
 __all__ = [
     "CPMismatchError",
