@@ -57,6 +57,7 @@ class ContextParallelAdapter:
     def _init_dynamic(self, dynamic_cp, min_tokens_per_rank, weighting) -> None:
         """After _init_fsdp and _init_compile: dynamic CP's options are checked against theirs."""
         self.dynamic_cp, self.dynamic = bool(dynamic_cp), None  # the DynamicCP, built in _parallelize
+        self._planned_min_tokens = dynamic_cp and min_tokens_per_rank is None  # the planner may supply it
         if not dynamic_cp:
             if min_tokens_per_rank is not None:
                 raise ValueError("min_tokens_per_rank only applies with dynamic_cp=True; pass both or neither.")
@@ -96,6 +97,8 @@ class ContextParallelAdapter:
     def setup_environment(self) -> None:
         if self._auto_cp:
             self._choose_cp()
+        if self._planned_min_tokens:
+            self._plan_min_tokens()
         self._validate_layout()
         super().setup_environment()
         self._build_mesh_and_seed()
@@ -107,6 +110,18 @@ class ContextParallelAdapter:
         self.cp, self.ring = chosen.layout.cp, chosen.layout.ring
         if self.global_rank == 0:
             log.info(auto.describe(chosen, self._plan_hints["gpu_memory"] or chosen.gib_per_gpu))
+
+    def _plan_min_tokens(self) -> None:
+        """dynamic_cp without min_tokens_per_rank: the planner's threshold where it can tell (Lightning, with the
+        module's planner_model() and a GPU memory budget), else the default."""
+        from cp_lightning.planner import auto
+
+        hints = getattr(self, "_plan_hints", {})
+        planned = auto.dynamic_min_tokens(self, gpu_memory=hints.get("gpu_memory"))
+        if planned is not None:
+            self.min_tokens_per_rank = planned
+            if self.global_rank == 0:
+                log.info(f"dynamic_cp: min_tokens_per_rank={planned} from the layout planner")
 
     def _validate_layout(self) -> None:
         """Pure arithmetic on devices and nodes: runs before any process is launched."""

@@ -44,7 +44,7 @@ class ContextParallelStrategy(ContextParallelAdapter, DDPStrategy):
             ``planner_model()`` and the data module's buckets (``cp_lightning/planner/auto.py``), and logs it.
         ring: ring degree inside cp (cp = ring x ulysses); 1 is pure Ulysses.
         tokens: (cp="auto") tokens per sample, one per bucket, instead of the data module's bucket table.
-        gpu_memory: (cp="auto") the memory budget per process in GiB; default: the CUDA device's memory.
+        gpu_memory: (cp="auto", dynamic_cp) the memory budget per process in GiB; default: the CUDA device's memory.
         plan: ``{module_path: plan}`` for modules without a diffusers ``_cp_plan``; by default every
             submodule that has one is parallelized.
         loss_parallel: keep outputs sharded and compute the loss per shard (see ``cp_lightning.loss_shard``).
@@ -77,6 +77,8 @@ class ContextParallelStrategy(ContextParallelAdapter, DDPStrategy):
             and the step's total W; gradients stay exact under any mix of degrees. Needs a degree-aware batch
             sampler (``use_distributed_sampler=False``; the recipes' bucket sampler is one).
         min_tokens_per_rank: (dynamic_cp) a step runs at the largest degree whose tokens per rank reach it.
+            Default: the layout planner's (the smallest degree it predicts a sample fits at) where the module
+            has ``planner_model()`` and the memory budget is known (CUDA or ``gpu_memory``), else 4096.
         dynamic_weighting: (dynamic_cp) ``"samples"`` (each sample's loss weighs 1) or ``"tokens"``.
         **kwargs: passed to Lightning's ``DDPStrategy`` (``start_method``, ``checkpoint_io``, DDP arguments).
             Checkpoints are written atomically (:class:`~cp_lightning.checkpoint_io.AtomicCheckpointIO`)

@@ -394,6 +394,45 @@ def test_fabric_refuses_cp_auto_at_construction():
         FabricContextParallelStrategy(cp="auto")
 
 
+def test_dynamic_cp_takes_min_tokens_per_rank_from_the_planner():
+    """dynamic_cp without min_tokens_per_rank: the planner's threshold puts each sample at the smallest degree
+    at which it fits (Wan2.1 14B rank-32 LoRA, checkpointing, 8 x 80 GiB); no budget or no planner_model(): the
+    default."""
+    from types import SimpleNamespace
+
+    from cp_lightning import ContextParallelStrategy, dynamic
+    from cp_lightning.planner.auto import dynamic_min_tokens
+
+    class Module(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.save_hyperparameters({"lora_rank": 32, "gradient_checkpointing": True, "weights_dtype": "bfloat16"})
+
+        def planner_model(self):
+            return "wan2.1-t2v-14b"
+
+    spec = resolve_model("wan2.1-t2v-14b")
+    hw = Hardware(gpus=8, gpu_memory_gib=80)
+    layout, training = Layout(8, 1, checkpointing=True), Training(lora_rank=32)  # as test_monotone_in_cp... traces
+    strategy = ContextParallelStrategy(cp=8, dynamic_cp=True, gpu_memory=80)
+    strategy._lightning_module, strategy.parallel_devices = Module(), [torch.device("cuda", i) for i in range(8)]
+    strategy._planned_min_tokens and strategy._plan_min_tokens()
+    threshold = strategy.min_tokens_per_rank
+    assert threshold != dynamic.DEFAULT_MIN_TOKENS_PER_RANK
+    for tokens in (1024, 4096, 16384, 32760, 75600, 200_000):  # images to long 720p clips
+        c = dynamic.choose_degree(tokens, 8, threshold)
+        assert estimate(spec, layout, hw, training, -(-tokens // c)).fits, (tokens, c)
+        if c > 1:  # the next smaller degree does not fit
+            assert not estimate(spec, layout, hw, training, -(-tokens // (c // 2))).fits, (tokens, c)
+    assert dynamic.choose_degree(75600, 8, threshold) > 1 and dynamic.choose_degree(4096, 8, threshold) == 1
+    # a given threshold wins; CPU without a budget and a module without planner_model() keep the default
+    given = ContextParallelStrategy(cp=8, dynamic_cp=True, gpu_memory=80, min_tokens_per_rank=123)
+    assert not given._planned_min_tokens and given.min_tokens_per_rank == 123
+    cpu = SimpleNamespace(lightning_module=Module(), root_device=torch.device("cpu"))
+    assert dynamic_min_tokens(cpu, gpu_memory=None) is None
+    assert dynamic_min_tokens(SimpleNamespace(lightning_module=L.LightningModule()), gpu_memory=80) is None
+
+
 def test_auto_batch_sizes_and_the_grouped_sampler():
     """batch_size: auto: about the largest bucket's tokens per step, no more than the samples allow, capped by
     memory; every step's dp ranks get the same bucket and batch size (DDP's mean is then the per-sample mean)."""

@@ -7,6 +7,9 @@ the sample sizes: the ``tokens=`` hint, else the data module's bucket table (``p
 as the recipes' data modules have). The GPU memory is the ``gpu_memory=`` hint or the device's own. The choice
 is the smallest cp that fits (the fastest ring among those); nothing fitting is a ValueError saying what the
 leanest layout would need. The computation is deterministic, so every rank picks the same layout.
+
+With ``dynamic_cp=True`` and no ``min_tokens_per_rank`` it supplies that threshold the same way
+(:func:`dynamic_min_tokens`) when it can tell the memory budget.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ import logging
 import torch
 
 from cp_lightning.planner.architectures import ModelSpec, resolve_model
-from cp_lightning.planner.memory import GIB, Estimate, Hardware, Training
+from cp_lightning.planner.memory import GIB, Estimate, Hardware, Layout, Training, estimate
 from cp_lightning.planner.search import nothing_fits, search, smallest_cp
 
 log = logging.getLogger(__name__)
@@ -64,10 +67,7 @@ def choose(strategy, *, tokens: list[int] | None, gpu_memory: float | None) -> E
     text = None
     if tokens is None:
         tokens, text = _tokens(getattr(trainer, "datamodule", None))
-    h = dict(getattr(module, "hparams", {}))
-    lora = int(h.get("lora_rank", 0))
-    training = Training(lora_rank=lora, ema=bool(h.get("ema_decay", 0.0)))
-    base = str(h.get("weights_dtype", "bfloat16")) if lora else "bfloat16"
+    training, base, checkpointing = _training(module)
     world = strategy.num_processes * strategy.num_nodes
     hw = Hardware(gpus=world, gpu_memory_gib=_gpu_memory(strategy, gpu_memory), nodes=strategy.num_nodes)
     fsdp = strategy.fsdp_options
@@ -79,7 +79,7 @@ def choose(strategy, *, tokens: list[int] | None, gpu_memory: float | None) -> E
         batch=int(getattr(getattr(trainer, "datamodule", None), "hparams", {}).get("batch_size", 1)),
         text_tokens=text,
         fsdp="on" if fsdp is not None else "off",
-        checkpointing="on" if h.get("gradient_checkpointing") else "off",
+        checkpointing="on" if checkpointing else "off",
         base_dtype=base,
     )
     # the strategy runs what it was given: its own HSDP choice, no activation offload
@@ -89,6 +89,54 @@ def choose(strategy, *, tokens: list[int] | None, gpu_memory: float | None) -> E
     if chosen is None:
         raise ValueError(f"cp='auto': {nothing_fits(own or estimates, hw)}")
     return chosen
+
+
+def _training(module) -> tuple[Training, str, bool]:
+    """(what trains, the frozen base's dtype, gradient checkpointing) from the module's hyperparameters."""
+    h = dict(getattr(module, "hparams", {}))
+    lora = int(h.get("lora_rank", 0))
+    base = str(h.get("weights_dtype", "bfloat16")) if lora else "bfloat16"
+    return Training(lora_rank=lora, ema=bool(h.get("ema_decay", 0.0))), base, bool(h.get("gradient_checkpointing"))
+
+
+def most_tokens_per_rank(spec: ModelSpec, layout: Layout, hw: Hardware, training: Training) -> int:
+    """The most tokens per sample that ``layout`` fits at batch 1 (0: not even one token)."""
+
+    def fits(tokens: int) -> bool:
+        return estimate(spec, layout, hw, training, tokens).fits
+
+    if not fits(1):
+        return 0
+    low, high = 1, 1024
+    while fits(high) and high < 1 << 24:
+        low, high = high, high * 2
+    while high - low > 1:  # fits(low), not fits(high)
+        mid = (low + high) // 2
+        low, high = (mid, high) if fits(mid) else (low, mid)
+    return low
+
+
+def dynamic_min_tokens(strategy, *, gpu_memory: float | None) -> int | None:
+    """``min_tokens_per_rank`` for ``dynamic_cp`` from the planner: one more than half the most tokens a rank fits
+    at degree 1, so each step runs at the smallest degree at which the planner predicts its samples fit (the
+    planner's time model puts the same compute per sample at every degree and CP traffic on top, so the smallest
+    fitting degree is the fastest). None where the planner cannot tell: no ``planner_model()``, no memory budget
+    (CPU without ``gpu_memory=``), or a model whose states alone do not fit."""
+    module = getattr(strategy, "lightning_module", None)
+    if getattr(module, "planner_model", None) is None:
+        return None
+    try:
+        budget = _gpu_memory(strategy, gpu_memory)
+    except ValueError:
+        return None
+    training, base, checkpointing = _training(module)
+    world = strategy.num_processes * strategy.num_nodes
+    hw = Hardware(gpus=world, gpu_memory_gib=budget, nodes=strategy.num_nodes)
+    sharding = "full" if strategy.fsdp_options is not None else "off"
+    # a step at degree c holds the states of the whole run's layout and 1/c of each sample's activations
+    layout = Layout(world, 1, fsdp=sharding, checkpointing=checkpointing, base_dtype=base)
+    most = most_tokens_per_rank(_model(module), layout, hw, training)
+    return most // 2 + 1 if most else None
 
 
 def describe(e: Estimate, budget: float) -> str:
