@@ -1,13 +1,20 @@
-"""ContextParallelStrategy end to end: Lightning's own (spawn) launcher, 4 CPU processes, gloo.
+"""ContextParallelStrategy end to end: Lightning on 4 CPU processes, gloo.
 
 Trajectory parity: the parameters after N optimizer steps equal those of one process trained on
 the same global batches (tests/lightning_tasks.py builds both).
+
+Starting processes costs far more than a 5-step fit, so the Lightning runs share two spawned groups
+(one of 4 processes, one of 2): inside a group Lightning sees an externally launched job (as under
+torchrun) and each case is a fresh Trainer and strategy on the same processes, every run starting
+from the same seed as a fresh process would. The launcher's own paths (Lightning's spawn launcher,
+a rank that fails, Fabric) keep their own processes.
 """
 
 from __future__ import annotations
 
 import copy
 from datetime import timedelta
+from pathlib import Path
 
 import lightning as L
 import pytest
@@ -15,6 +22,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from cp_lightning import ContextParallelStrategy, faults
+from tests.distributed import spawn
 from tests.lightning_tasks import (
     FlowMatching,
     Samples,
@@ -26,6 +34,7 @@ from tests.lightning_tasks import (
 
 STEPS, GLOBAL_BATCH = 5, 4
 SGD_TOL = 1e-5
+GROUP_ENV = {"PL_GLOBAL_SEED": "0"}  # Lightning's DistributedSampler seed
 
 
 @pytest.fixture(autouse=True)
@@ -57,6 +66,12 @@ def cp(degree, **kwargs):
     return ContextParallelStrategy(cp=degree, start_method="spawn", **kwargs)
 
 
+def module_for(**kwargs) -> FlowMatching:
+    """The case's module, as every run of it starts: built right after seeding 0."""
+    torch.manual_seed(0)
+    return FlowMatching(**kwargs)
+
+
 SGD_CASES = {
     "dp2xcp2": (dict(), dict(degree=2)),
     "dp1xcp4": (dict(), dict(degree=4)),
@@ -72,16 +87,190 @@ SGD_CASES = {
     "odd_length_loss_parallel": (dict(tokens=33, text_tokens=13), dict(degree=2, loss_parallel=True)),
 }
 
+ADAMW_CASES = {
+    "dp2xcp2": (dict(), dict(degree=2)),
+    "loss_parallel": (dict(), dict(degree=2, loss_parallel=True)),
+    "ring2": (dict(), dict(degree=2, ring=2)),
+    "checkpointing": (dict(checkpointing=True), dict(degree=2)),
+    "lora": (dict(lora=True), dict(degree=2)),
+}
+
+
+def _clip(module_kwargs) -> float:
+    return 0.05 if not module_kwargs.get("lora") else 0.002
+
+
+def _sgd_samples(module_kwargs) -> Samples:
+    return Samples(**{k: v for k, v in module_kwargs.items() if k in ("tokens", "text_tokens")})
+
+
+# ---------------------------------------------------------------------------------------------
+# the shared groups: each case a fresh Trainer on the group's processes
+
+
+def _external(degree, **kwargs):
+    return ContextParallelStrategy(cp=degree, **kwargs)  # default launcher: the processes exist already
+
+
+def _resume_runs(root: Path) -> str:
+    """12 samples, global batch 4: step 3 ends epoch 0; noise from the RNG exercises its restore. Runs the
+    straight 5 steps, 3 steps with a checkpoint, and the resume from it to 5; returns the checkpoint."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    module = module_for(optimizer="adamw", lr=1e-3, noise="rng")
+
+    def run(record_dir, steps, ckpt_path=None, callbacks=()):
+        record_dir.mkdir(parents=True, exist_ok=True)
+        m = copy.deepcopy(module)
+        m.hparams.record_dir = str(record_dir)
+        torch.manual_seed(0)  # each run starts from one RNG state, as a fresh process does
+        trainer = L.Trainer(
+            accelerator="cpu",
+            devices=4,
+            strategy=_external(2),
+            max_steps=steps,
+            logger=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            callbacks=list(callbacks),
+            enable_checkpointing=bool(callbacks),
+            default_root_dir=str(root),
+        )
+        trainer.fit(m, DataLoader(Samples(), batch_size=2, shuffle=True), ckpt_path=ckpt_path)
+
+    run(root / "full", 5)
+    saver = ModelCheckpoint(dirpath=root / "ckpt", every_n_train_steps=3, save_top_k=-1)
+    run(root / "first", 3, callbacks=[saver])
+    torch.distributed.barrier()
+    ckpt = next((root / "ckpt").glob("*step=3*.ckpt"))
+    run(root / "second", 5, ckpt_path=str(ckpt))
+    return str(ckpt)
+
+
+def _portable(value):
+    """Parameters as numpy arrays: tensors sent through the result queue would be shared memory that
+    vanishes with the worker."""
+    if isinstance(value, dict):
+        return {n: p.numpy() if isinstance(p, torch.Tensor) else p for n, p in value.items()}
+    return value
+
+
+def _params(value) -> dict[str, torch.Tensor]:
+    return {n: torch.from_numpy(p) for n, p in value.items()}
+
+
+def _world4_cases(rank, world, root):
+    root = Path(root)
+    out = {}
+
+    def case(name, run, *args, **kwargs):
+        torch.manual_seed(0)
+        try:
+            out[name] = _portable(run(*args, **kwargs))
+        except Exception as err:  # noqa: BLE001 - recorded per case; every rank raises alike here
+            out[name] = err if name == "mismatch" else RuntimeError(f"{type(err).__name__}: {err}")
+
+    def cp_fit(module_kwargs, strategy_kwargs, **fit_kwargs):
+        strategy_kwargs = dict(strategy_kwargs)
+        strategy = _external(strategy_kwargs.pop("degree"), **strategy_kwargs)
+        return fit(module_for(**module_kwargs), strategy, **fit_kwargs)
+
+    for name, (module_kwargs, strategy_kwargs) in SGD_CASES.items():
+        sgd = dict(optimizer="sgd", **module_kwargs)
+        case(f"sgd/{name}", cp_fit, sgd, strategy_kwargs, dataset=_sgd_samples(module_kwargs))
+    for name, (module_kwargs, strategy_kwargs) in ADAMW_CASES.items():
+        adamw = dict(optimizer="adamw", lr=1e-3, **module_kwargs)
+        case(f"adamw/{name}", cp_fit, adamw, strategy_kwargs, clip=_clip(module_kwargs))
+    (root / "rng").mkdir(parents=True, exist_ok=True)
+    case("rng", cp_fit, dict(noise="rng", record_dir=str(root / "rng")), dict(degree=2), steps=2)
+    case("resume", _resume_runs, root / "resume")
+
+    def accumulated():
+        trainer = L.Trainer(
+            accelerator="cpu",
+            devices=4,
+            strategy=_external(2),
+            max_steps=3,
+            accumulate_grad_batches=2,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+        )
+        module = module_for(optimizer="sgd")
+        trainer.fit(module, DataLoader(Samples(n=16), batch_size=2, shuffle=True))
+        return {n: p.detach().clone() for n, p in module.named_parameters()}
+
+    case("accumulated", accumulated)
+    case("bf16", cp_fit, dict(optimizer="sgd"), dict(degree=2), precision="bf16-mixed")
+    case("mismatch", cp_fit, dict(noise="per_rank"), dict(degree=2), steps=2)  # last: it raises
+    return out
+
+
+def _world2_cases(rank, world):
+    """Plain DDP over 2 ranks (the AdamW baselines) and a model without a plan."""
+    out = {}
+    for lora in (False, True):
+        torch.manual_seed(0)
+        module = module_for(optimizer="adamw", lr=1e-3, lora=lora)
+        out[f"ddp/{lora}"] = _portable(fit(module, "ddp", devices=2, clip=_clip({"lora": lora})))
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy=_external(2),
+        max_steps=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+    )
+    try:
+        trainer.fit(_NoPlanModule(), DataLoader(torch.randn(8, 4), batch_size=2))
+        out["no_plan"] = None
+    except Exception as err:  # noqa: BLE001
+        out["no_plan"] = f"{type(err).__name__}: {err}"
+    return out
+
+
+@pytest.fixture(scope="module")
+def world4(tmp_path_factory):
+    root = tmp_path_factory.mktemp("strategy_runs")
+    return spawn(_world4_cases, 4, str(root), timeout_s=1200, env=GROUP_ENV)[0], root
+
+
+@pytest.fixture(scope="module")
+def world2():
+    return spawn(_world2_cases, 2, timeout_s=600, env=GROUP_ENV)[0]
+
+
+def _result(runs, name):
+    value = runs[name]
+    if isinstance(value, BaseException):
+        raise value
+    return _params(value) if isinstance(value, dict) else value
+
+
+class _NoPlanModule(L.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.net = torch.nn.Linear(4, 4)
+
+    def training_step(self, batch, batch_idx):
+        return self.net(batch).sum()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+# ---------------------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("case", list(SGD_CASES))
-def test_sgd_trajectory_matches_one_process(case):
-    module_kwargs, strategy_kwargs = SGD_CASES[case]
-    torch.manual_seed(0)
-    module = FlowMatching(optimizer="sgd", **module_kwargs)
+def test_sgd_trajectory_matches_one_process(world4, case):
+    module_kwargs, _ = SGD_CASES[case]
+    module = module_for(optimizer="sgd", **module_kwargs)
     start = {n: p.detach().clone() for n, p in module.named_parameters()}
-    samples = Samples(**{k: v for k, v in module_kwargs.items() if k in ("tokens", "text_tokens")})
-    reference = reference_params(module, samples, GLOBAL_BATCH, STEPS, clip=None)
-    params = fit(module, cp(**strategy_kwargs), dataset=samples)
+    reference = reference_params(module, _sgd_samples(module_kwargs), GLOBAL_BATCH, STEPS, clip=None)
+    params = _result(world4[0], f"sgd/{case}")
     err = param_rel_err(params, reference)
     update_err = update_rel_err(params, reference, start)
     moved = param_rel_err(start, reference)
@@ -91,22 +280,11 @@ def test_sgd_trajectory_matches_one_process(case):
     assert update_err <= 1e-3, (case, update_err)  # a cp-times gradient scale error would be ~1
 
 
-ADAMW_CASES = {
-    "dp2xcp2": (dict(), dict(degree=2)),
-    "loss_parallel": (dict(), dict(degree=2, loss_parallel=True)),
-    "ring2": (dict(), dict(degree=2, ring=2)),
-    "checkpointing": (dict(checkpointing=True), dict(degree=2)),
-    "lora": (dict(lora=True), dict(degree=2)),
-}
-_DDP_BASELINES: dict[bool, tuple[float, float]] = {}
-
-
 @pytest.mark.parametrize("case", list(ADAMW_CASES))
-def test_adamw_with_active_clipping_is_as_close_as_plain_ddp(case):
-    module_kwargs, strategy_kwargs = ADAMW_CASES[case]
-    torch.manual_seed(0)
-    module = FlowMatching(optimizer="adamw", lr=1e-3, **module_kwargs)
-    clip = 0.05 if not module_kwargs.get("lora") else 0.002
+def test_adamw_with_active_clipping_is_as_close_as_plain_ddp(world4, world2, case):
+    module_kwargs, _ = ADAMW_CASES[case]
+    module = module_for(optimizer="adamw", lr=1e-3, **module_kwargs)
+    clip = _clip(module_kwargs)
     start = {n: p.detach().clone() for n, p in module.named_parameters()}
     reference = reference_params(module, Samples(), GLOBAL_BATCH, STEPS, clip=clip)
     # the clip threshold must be active: the first step's global gradient norm is above it
@@ -115,12 +293,10 @@ def test_adamw_with_active_clipping_is_as_close_as_plain_ddp(case):
     norm = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in probe.parameters() if p.grad is not None]))
     assert norm > 5 * clip, norm
 
-    cp_params = fit(copy.deepcopy(module), cp(**strategy_kwargs), clip=clip)
-    lora = bool(module_kwargs.get("lora"))
-    if lora not in _DDP_BASELINES:  # plain DDP over the same 2 dp ranks; the model math is the same per case
-        ddp_params = fit(copy.deepcopy(module), "ddp_spawn", devices=2, clip=clip)
-        _DDP_BASELINES[lora] = (param_rel_err(ddp_params, reference), update_rel_err(ddp_params, reference, start))
-    ddp_err, ddp_upd = _DDP_BASELINES[lora]
+    cp_params = _result(world4[0], f"adamw/{case}")
+    # plain DDP over the same 2 dp ranks; the model math is the same per case
+    ddp_params = _params(world2[f"ddp/{bool(module_kwargs.get('lora'))}"])
+    ddp_err, ddp_upd = param_rel_err(ddp_params, reference), update_rel_err(ddp_params, reference, start)
     cp_err, cp_upd = param_rel_err(cp_params, reference), update_rel_err(cp_params, reference, start)
     print(
         f"AdamW + clipping, {case}: worst parameter CP {cp_err:.2e} vs plain DDP {ddp_err:.2e}; "
@@ -133,10 +309,9 @@ def test_adamw_with_active_clipping_is_as_close_as_plain_ddp(case):
     assert cp_err <= 2e-4 and ddp_err <= 2e-4, (cp_err, ddp_err)
 
 
-def test_rng_is_shared_by_cp_peers_and_differs_across_dp(tmp_path):
-    module = FlowMatching(noise="rng", record_dir=str(tmp_path))
-    fit(module, cp(2), steps=2)
-    rows = read_records(tmp_path)
+def test_rng_is_shared_by_cp_peers_and_differs_across_dp(world4):
+    _result(world4[0], "rng")
+    rows = read_records(world4[1] / "rng")
     assert len(rows) == 4 * 2
     for step in (0, 1):
         at = {r["rank"]: r for r in rows if r["step"] == step}
@@ -146,48 +321,21 @@ def test_rng_is_shared_by_cp_peers_and_differs_across_dp(tmp_path):
         assert at[0]["noise_sum"] != at[2]["noise_sum"]  # dp ranks
 
 
-def test_mismatched_inputs_on_cp_peers_raise_a_named_error():
-    module = FlowMatching(noise="per_rank")
+def test_mismatched_inputs_on_cp_peers_raise_a_named_error(world4):
+    err = world4[0]["mismatch"]
+    assert isinstance(err, BaseException), err
     with pytest.raises(Exception, match=r"CP peers disagree on <root>\(hidden_states\) at training forward pass 1"):
-        fit(module, cp(2), steps=2)
+        raise err
 
 
-def test_resume_reproduces_the_uninterrupted_losses(tmp_path):
-    full, first, second = (tmp_path / name for name in ("full", "first", "second"))
-    for d in (full, first, second):
-        d.mkdir()
-    # 12 samples, global batch 4: step 3 ends epoch 0; noise from the RNG exercises its restore
-    torch.manual_seed(0)
-    module = FlowMatching(optimizer="adamw", lr=1e-3, noise="rng")
-    from lightning.pytorch.callbacks import ModelCheckpoint
-
-    def run(record_dir, steps, ckpt_path=None, callbacks=()):
-        m = copy.deepcopy(module)
-        m.hparams.record_dir = str(record_dir)
-        trainer = L.Trainer(
-            accelerator="cpu",
-            devices=4,
-            strategy=cp(2),
-            max_steps=steps,
-            logger=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
-            callbacks=list(callbacks),
-            enable_checkpointing=bool(callbacks),
-            default_root_dir=str(tmp_path),
-        )
-        trainer.fit(m, DataLoader(Samples(), batch_size=2, shuffle=True), ckpt_path=ckpt_path)
-
-    run(full, 5)
-    saver = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=3, save_top_k=-1)
-    run(first, 3, callbacks=[saver])
-    ckpt = next((tmp_path / "ckpt").glob("*step=3*.ckpt"))
-    run(second, 5, ckpt_path=str(ckpt))
+def test_resume_reproduces_the_uninterrupted_losses(world4):
+    ckpt = _result(world4[0], "resume")
+    root = world4[1] / "resume"
 
     def losses(d):
         return {r["step"]: r["loss"] for r in read_records(d) if r["rank"] == 0}
 
-    uninterrupted, resumed = losses(full), losses(second)
+    uninterrupted, resumed = losses(root / "full"), losses(root / "second")
     assert sorted(resumed) == [3, 4]
     for step in (3, 4):
         assert abs(resumed[step] - uninterrupted[step]) <= 1e-6, (step, resumed[step], uninterrupted[step])
@@ -197,39 +345,30 @@ def test_resume_reproduces_the_uninterrupted_losses(tmp_path):
     bare.load_state_dict({k.removeprefix("transformer."): v for k, v in state.items()})
 
 
-def test_accumulated_gradients_match_one_process():
-    torch.manual_seed(0)
-    module = FlowMatching(optimizer="sgd")
-    dataset = Samples(n=16)
+def test_accumulated_gradients_match_one_process(world4):
+    module = module_for(optimizer="sgd")
     # 2 micro-batches of 4 per optimizer step = one process on global batches of 8
-    reference = reference_params(module, dataset, 8, 3, clip=None)
-    trainer = L.Trainer(
-        accelerator="cpu",
-        devices=4,
-        strategy=cp(2),
-        max_steps=3,
-        accumulate_grad_batches=2,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
-    trainer.fit(module, DataLoader(dataset, batch_size=2, shuffle=True))
-    params = {n: p.detach() for n, p in module.named_parameters()}
-    assert param_rel_err(params, reference) <= SGD_TOL
+    reference = reference_params(module, Samples(n=16), 8, 3, clip=None)
+    assert param_rel_err(_result(world4[0], "accumulated"), reference) <= SGD_TOL
 
 
-def test_bf16_mixed_is_no_worse_than_one_process_bf16():
-    torch.manual_seed(0)
-    module = FlowMatching(optimizer="sgd")
+def test_bf16_mixed_is_no_worse_than_one_process_bf16(world4):
+    module = module_for(optimizer="sgd")
     start = {n: p.detach().clone() for n, p in module.named_parameters()}
     reference = reference_params(module, Samples(), GLOBAL_BATCH, STEPS, clip=None)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         plain_bf16 = reference_params(module, Samples(), GLOBAL_BATCH, STEPS, clip=None)
-    params = fit(module, cp(2), precision="bf16-mixed")
+    params = _result(world4[0], "bf16")
     cp_err, plain_err = update_rel_err(params, reference, start), update_rel_err(plain_bf16, reference, start)
     print(f"bf16-mixed against fp32, relative to the update: CP {cp_err:.2e}, one process {plain_err:.2e}")
     assert cp_err <= 2 * plain_err, (cp_err, plain_err)
+
+
+def test_lightnings_spawn_launcher_runs_the_strategy():
+    """Lightning's own spawn launcher (the shared groups above run as externally launched jobs)."""
+    module = module_for(optimizer="sgd")
+    reference = reference_params(module, Samples(), GLOBAL_BATCH, STEPS, clip=None)
+    assert param_rel_err(fit(module, cp(2), devices=2), reference) <= SGD_TOL
 
 
 def test_a_failing_rank_raises_through_lightnings_launcher():
@@ -270,30 +409,9 @@ def test_cp_degree_two_across_two_nodes_is_allowed_when_asked():
     assert trainer.strategy.cp == 2
 
 
-class _NoPlanModule(L.LightningModule):
-    def __init__(self):
-        super().__init__()
-        self.net = torch.nn.Linear(4, 4)
-
-    def training_step(self, batch, batch_idx):
-        return self.net(batch).sum()
-
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=0.1)
-
-
-def test_a_model_without_any_plan_fails_at_setup():
-    trainer = L.Trainer(
-        accelerator="cpu",
-        devices=2,
-        strategy=cp(2),
-        max_steps=1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-    )
-    with pytest.raises(Exception, match="no submodule of _NoPlanModule has a diffusers `_cp_plan`"):
-        trainer.fit(_NoPlanModule(), DataLoader(torch.randn(8, 4), batch_size=2))
+def test_a_model_without_any_plan_fails_at_setup(world2):
+    assert world2["no_plan"] is not None
+    assert "no submodule of _NoPlanModule has a diffusers `_cp_plan`" in world2["no_plan"], world2["no_plan"]
 
 
 def test_mesh_is_a_clear_error_before_setup():
