@@ -26,7 +26,6 @@ needs FSDP2 and forces causal attention; FSDP, DeepSpeed and Megatron plugins ar
 from __future__ import annotations
 
 import functools
-import os
 from collections.abc import Mapping, Sequence
 from datetime import timedelta
 from typing import Any
@@ -37,109 +36,12 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader
 
-from cp_lightning import data_parallel, dynamic, faults, loading, offload
+from cp_lightning import accelerate_checks as checks
+from cp_lightning import accelerate_state, data_parallel, dynamic, faults, loading, offload
 from cp_lightning.compilation import compile_options, compile_targets
-from cp_lightning.mesh import CP, DP, _local_world_size, build_mesh, validate_degrees
+from cp_lightning.mesh import CP, DP, build_mesh
 
 __all__ = ["ContextParallel", "prepare_context_parallel"]
-
-
-def _check_dynamo_plugin(accelerator, compile: dict | None) -> None:
-    """Accelerate's own torch.compile (``Accelerator(dynamo_backend=...)``, ``accelerate config``) wraps the
-    prepared model: refuse it beside ``compile=`` (the blocks would be compiled twice) and where it asks
-    for what the compiled CP path cannot honour (CUDA graphs, dynamic shapes)."""
-    from accelerate.utils import DynamoBackend
-
-    plugin = accelerator.state.dynamo_plugin
-    if plugin is None or plugin.backend == DynamoBackend.NO:
-        return
-    if compile is not None:
-        raise ValueError(
-            f"the Accelerator compiles the prepared model itself (dynamo backend {plugin.backend.value.lower()!r}, "
-            "from dynamo_backend=, ACCELERATE_DYNAMO_BACKEND or `accelerate config`), and compile= would compile its "
-            "blocks again inside it; use one of them (compile= compiles each block with fullgraph=True after "
-            "parallelizing)."
-        )
-    kwargs = {k: v for k, v in plugin.to_kwargs().items() if k in ("backend", "mode", "options", "dynamic")}
-    try:
-        compile_options(kwargs)
-    except ValueError as err:
-        raise ValueError(f"the Accelerator's dynamo plugin: {err}") from None
-
-
-def _check_accelerator(accelerator, cp: int, ring: int, allow_cross_node: bool) -> None:
-    """Refuse what this integration cannot run exactly; reads only local state (no collectives)."""
-    from accelerate import Accelerator
-    from accelerate.utils import DDPCommunicationHookType
-
-    if not isinstance(accelerator, Accelerator):
-        raise TypeError(f"expected an accelerate.Accelerator, got {type(accelerator).__name__}.")
-    kind = accelerator.distributed_type.value
-    # A plugin also shows in the environment (set by the Accelerator or `accelerate launch --use_fsdp`), even
-    # where Accelerate ignores it (FSDP on CPU processes falls back to DDP without a word).
-    for plugin in ("FSDP", "DEEPSPEED", "MEGATRON_LM"):
-        if os.environ.get(f"ACCELERATE_USE_{plugin}", "false").lower() == "true":
-            kind = plugin
-    if kind in ("FSDP", "DEEPSPEED", "MEGATRON_LM", "XLA"):
-        raise ValueError(
-            f"cp_lightning's Accelerate integration wraps the model for data parallelism itself (DDP, or FSDP2 with "
-            f"ContextParallel(..., fsdp=True)) with its own gradient math and does not "
-            f"support {kind}. Remove the FSDP/DeepSpeed/Megatron plugin (Accelerator(fsdp_plugin=..., "
-            "deepspeed_plugin=...)) and the matching `accelerate config` / `accelerate launch --use_fsdp` or "
-            "`--use_deepspeed` options; plain multi-process launching (multi-GPU or --cpu) is what it needs."
-        )
-    config = getattr(accelerator, "parallelism_config", None)
-    if config is not None and (config.cp_enabled or config.tp_enabled or config.dp_shard_enabled):
-        raise ValueError(
-            f"the Accelerator has a ParallelismConfig with cp={config.cp_size}, tp={config.tp_size}, "
-            f"dp_shard={config.dp_shard_size}; cp_lightning replaces Accelerate's own context parallelism. Drop "
-            "parallelism_config and pass cp= to cp_lightning.accelerate instead."
-        )
-    handler = accelerator.ddp_handler
-    if handler is not None and handler.comm_hook != DDPCommunicationHookType.NO:
-        raise ValueError(
-            f"DistributedDataParallelKwargs(comm_hook={handler.comm_hook.value}) would replace the hook that sums "
-            "gradients over the CP group; drop comm_hook from the Accelerator's kwargs_handlers."
-        )
-    if accelerator.dispatch_batches:
-        raise ValueError(
-            "dispatch_batches=True sends every process its own slice of rank 0's batch, but CP peers need the "
-            "same batch; use DataLoaderConfiguration(dispatch_batches=False)."
-        )
-    world = accelerator.num_processes
-    if world == 1 and cp > 1:
-        raise ValueError(
-            f"cp={cp} needs cp processes, but Accelerate runs 1. Launch with `accelerate launch --num_processes {cp} "
-            "...` (or a multiple of cp; add --cpu on a machine without GPUs), or use cp=1."
-        )
-    if world % cp != 0:
-        raise ValueError(
-            f"cp={cp} must divide the number of processes ({world}); the data-parallel degree is their quotient. "
-            f"Pick cp from the divisors of {world}, or launch a multiple of {cp} processes "
-            f"(`accelerate launch --num_processes {cp * max(1, world // cp)} ...`)."
-        )
-    validate_degrees(cp, ring, world, _local_world_size(), allow_cross_node=allow_cross_node)
-
-
-def _check_model(accelerator, model: nn.Module, plan: Mapping | None) -> None:
-    if isinstance(model, DistributedDataParallel) or type(model).__name__ in (
-        "FullyShardedDataParallel",
-        "DeepSpeedEngine",
-    ):
-        raise TypeError(
-            f"the model is already wrapped in {type(model).__name__} (did accelerator.prepare see it?). Pass the bare "
-            "model to ContextParallel.prepare; it parallelizes it, then wraps it for data parallelism itself."
-        )
-    if any(p.__class__.__name__ == "DTensor" for p in model.parameters()):
-        raise TypeError(
-            "the model has DTensor (sharded) parameters; pass the unsharded model (ContextParallel(..., fsdp=True) "
-            "shards it itself, after parallelizing)."
-        )
-    if any(model is m for m in accelerator._models):
-        raise ValueError(
-            "this model was already passed to accelerator.prepare; pass it to ContextParallel.prepare instead."
-        )
-    data_parallel.check_targets(model, plan)
 
 
 class ContextParallel:
@@ -186,6 +88,10 @@ class ContextParallel:
             for, as for :class:`cp_lightning.ContextParallelStrategy`: call :meth:`dynamic_step` before each
             forward and multiply the loss by what it returns; the DataLoader's batch sampler gives each rank its
             sub-group's batch (it is not sharded again). See docs/dynamic_cp.md.
+        nonfinite: a non-finite loss (seen in ``accelerator.backward``), local gradient (DDP) or gradient shard
+            (FSDP) ``"raise"``s :class:`~cp_lightning.faults.NonFiniteError` in ``optimizer.step()`` on every rank,
+            naming the step and the ranks, before any weight changes; ``"skip"`` skips the update and the
+            scheduler's step (counted in :attr:`skipped_steps`); ``"ignore"``: no check. Multi-process runs.
     """
 
     def __init__(
@@ -211,6 +117,7 @@ class ContextParallel:
         dynamic_cp: bool = False,
         min_tokens_per_rank: int | None = None,
         dynamic_weighting: str = "samples",
+        nonfinite: str = "raise",
     ) -> None:
         data_parallel.check_cp_options(cp, ring, plan, kernel, check_steps)
         self.timeout = faults.check_timeout(timeout) if timeout is not None else None
@@ -232,8 +139,8 @@ class ContextParallel:
             self.dynamic_weighting = dynamic_weighting
         elif min_tokens_per_rank is not None:
             raise ValueError("min_tokens_per_rank only applies with dynamic_cp=True; pass both or neither.")
-        _check_accelerator(accelerator, cp, ring, allow_cross_node)
-        _check_dynamo_plugin(accelerator, self.compile)
+        checks.check_accelerator(accelerator, cp, ring, allow_cross_node)
+        checks.check_dynamo_plugin(accelerator, self.compile)
         if self.fsdp_options is not None:
             if accelerator.mixed_precision not in ("no", "bf16"):
                 raise ValueError(
@@ -246,6 +153,8 @@ class ContextParallel:
                 )
         self._sharded_params: set[int] = set()
         self._refusing_state_hooks = False
+        self.steps = accelerate_state.CheckedSteps(nonfinite)  # checks the mode: before any collective
+        self.positions = accelerate_state.LoaderPositions()
         self.accelerator, self.cp, self.ring = accelerator, cp, ring
         self.plan, self.kernel, self.check_steps = plan, kernel, check_steps
         self.loss_parallel = bool(loss_parallel)
@@ -261,6 +170,7 @@ class ContextParallel:
         if self.timeout is not None:
             faults.set_collective_timeout(self.timeout, self.mesh, ring)
         self.seed = data_parallel.seed_by_dp_rank(self.dp_rank, seed if seed is not None else torch.initial_seed())
+        self.steps.watch_backward(accelerator)
 
     @property
     def dp_size(self) -> int:
@@ -312,7 +222,7 @@ class ContextParallel:
         Returns the prepared objects in order (one object unpacked)."""
         for obj in objects:
             if isinstance(obj, nn.Module):
-                _check_model(self.accelerator, obj, self.plan)
+                checks.check_model(self.accelerator, obj, self.plan)
                 for module in loading.pending(obj):  # a meta-built model's folder, from its headers
                     loading.check_pretrained(module)
                 offload.check_activation_offload(obj, self.plan, enabled=self.activation_offload, compile=self.compile)
@@ -328,7 +238,7 @@ class ContextParallel:
         models = [obj for obj in objects if isinstance(obj, nn.Module)]
         optimizers = [obj for obj in objects if isinstance(obj, torch.optim.Optimizer)]
         if sharding:
-            _check_optimizers(optimizers, models, self._sharded_params)
+            checks.check_optimizers(optimizers, models, self._sharded_params)
         names = {id(p): (m, n) for m in models for n, p in m.named_parameters()} if sharding else {}
         prepared: list[Any] = [None] * len(objects)
         others = []
@@ -342,12 +252,16 @@ class ContextParallel:
         if sharding:  # optimizers given with their model now point at its sharded parameters
             for optimizer in optimizers:
                 for group in optimizer.param_groups:
-                    group["params"] = [_sharded_param(*names[id(p)]) if id(p) in names else p for p in group["params"]]
+                    group["params"] = [
+                        checks.sharded_param(*names[id(p)]) if id(p) in names else p for p in group["params"]
+                    ]
         if others:  # one call, in order: a scheduler is matched to the optimizer prepared with it
             result = self.accelerator.prepare(*(objects[i] for i in others))
             result = result if len(others) > 1 else (result,)
             for i, obj in zip(others, result, strict=True):
                 prepared[i] = obj
+                if self.mesh is not None and isinstance(objects[i], torch.optim.Optimizer):
+                    self.steps.wrap(obj, self.accelerator, sharded=sharding, device=self.accelerator.device)
         return prepared[0] if len(prepared) == 1 else tuple(prepared)
 
     def _prepare_model(self, model: nn.Module) -> nn.Module:
@@ -370,7 +284,8 @@ class ContextParallel:
         if isinstance(wrapped, DistributedDataParallel):
             # Each CP rank's gradient is its shard's part: SUM over cp, MEAN over dp (DDP alone divides by dp x cp).
             # Dynamic CP: each rank's loss is its share of sum_i l_i / W already, so the SUM over the world.
-            data_parallel.register_ddp_hook(wrapped, 1 if self.dynamic_cp else self.dp_size, self.loss_parallel)
+            dp = 1 if self.dynamic_cp else self.dp_size
+            data_parallel.register_ddp_hook(wrapped, dp, self.loss_parallel, nonfinite=self.steps.check)
         return wrapped
 
     def _shard_model(self, model: nn.Module) -> nn.Module:
@@ -406,54 +321,44 @@ class ContextParallel:
         if not self._refusing_state_hooks:
             # accelerator.save_state would write rank 0's shards (and its optimizer shard) as if they were the
             # whole model: refuse on every rank alike, before anything is written
-            acc.register_save_state_pre_hook(_refuse_sharded_state)
-            acc.register_load_state_pre_hook(_refuse_sharded_state)
+            acc.register_save_state_pre_hook(checks.refuse_sharded_state)
+            acc.register_load_state_pre_hook(checks.refuse_sharded_state)
             self._refusing_state_hooks = True
         return model
 
     def save_state(self, path, *, model: nn.Module, optimizer=None, **extra: Any) -> None:
-        """Save an ``fsdp=True`` model (and optimizer) as a sharded ``torch.distributed.checkpoint`` directory,
-        with each dp rank's RNG state and ``extra`` (rank 0's values) in ``meta.pt``. Every rank calls it.
-        It reshards on :meth:`load_state` at any dp x cp layout (not larger in dp than saved)."""
-        from pathlib import Path
-
-        import torch.distributed as dist
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import get_state_dict
-
-        path = Path(path)
-        optimizer = getattr(optimizer, "optimizer", optimizer)  # an AcceleratedOptimizer
-        model_state, optim_state = get_state_dict(model, [optimizer] if optimizer is not None else [])
-        state = {"model": model_state, **({"optimizer": optim_state} if optimizer is not None else {})}
-        dcp.save(state, checkpoint_id=str(path))
-        rng = data_parallel.gather_rng_states(self.dp_rank)
-        if dist.get_rank() == 0:
-            torch.save({**extra, "cp_lightning": {"rng_states": rng}}, path / "meta.pt")
-        dist.barrier()
+        """Save the prepared model (and optimizer) as a sharded ``torch.distributed.checkpoint`` directory, with
+        each dp rank's RNG state, the prepared data loaders' positions, the optimizer step count and ``extra``
+        (rank 0's values) in ``meta.pt``. Every rank calls it. Needed for ``fsdp=True`` (whose shards
+        ``accelerator.save_state`` cannot write); it reshards on :meth:`load_state` at any dp x cp layout (not
+        larger in dp than saved)."""
+        state = {"loaders": self.positions.state(), "optimizer_steps": self.steps.optimizer_steps}
+        state["skipped_steps"] = self.steps.check.skipped
+        meta = {**extra, "cp_lightning": state}
+        accelerate_state.save_sharded(path, model=model, optimizer=optimizer, dp_rank=self.dp_rank, meta=meta)
 
     def load_state(self, path, *, model: nn.Module, optimizer=None) -> dict:
-        """Load what :meth:`save_state` wrote into the prepared model and optimizer (resharding as needed) and
-        restore this dp rank's RNG; returns the ``extra`` values. Every rank calls it."""
-        from pathlib import Path
-
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-
-        path = Path(path)
-        data_parallel.check_checkpoint_layout(path, model, self.dp_size, prefix="model.")  # no collectives
-        optimizer = getattr(optimizer, "optimizer", optimizer)
-        optimizers = [optimizer] if optimizer is not None else []
-        model_state, optim_state = get_state_dict(model, optimizers)
-        state = {"model": model_state, **({"optimizer": optim_state} if optimizer is not None else {})}
-        dcp.load(state, checkpoint_id=str(path))
-        set_state_dict(model, optimizers, model_state_dict=state["model"], optim_state_dict=state.get("optimizer", {}))
-        meta = torch.load(path / "meta.pt", weights_only=False, map_location="cpu")
-        data_parallel.restore_rng_state(meta.pop("cp_lightning", {}).get("rng_states"), self.dp_rank, self.dp_size)
+        """Load what :meth:`save_state` wrote into the prepared model and optimizer (resharding as needed), restore
+        this dp rank's RNG and each prepared data loader's position (its next epoch skips the batches the saved
+        run had drawn: loop from ``loader.iteration``, the saved epoch); returns the ``extra`` values. Every rank
+        calls it, after ``prepare``."""
+        meta = accelerate_state.load_sharded(
+            path, model=model, optimizer=optimizer, dp_rank=self.dp_rank, dp_size=self.dp_size
+        )
+        saved = meta.pop("cp_lightning", {})
+        self.positions.restore(saved.get("loaders"), path)
+        self.steps.optimizer_steps = saved.get("optimizer_steps", 0)
+        self.steps.check.skipped = saved.get("skipped_steps", 0)
         return meta
+
+    @property
+    def skipped_steps(self) -> int:
+        """Optimizer steps skipped for a non-finite loss or gradient (``nonfinite="skip"``), resumes included."""
+        return self.steps.check.skipped
 
     def _prepare_data_loader(self, loader: DataLoader):
         if self.mesh is None:
-            return self.accelerator.prepare_data_loader(loader)
+            return self.positions.track(self.accelerator.prepare_data_loader(loader))
         from accelerate.data_loader import prepare_data_loader
 
         acc = self.accelerator
@@ -476,7 +381,7 @@ class ContextParallel:
             use_stateful_dataloader=acc.use_stateful_dataloader,
         )
         acc._dataloaders.append(prepared)  # what accelerator.prepare does: save_state/load_state see its sampler
-        return prepared
+        return self.positions.track(prepared)
 
     def gather(self, tensor: torch.Tensor) -> torch.Tensor:
         """``accelerator.gather`` without the CP duplicates: one copy per dp rank, in dp order.
@@ -488,35 +393,6 @@ class ContextParallel:
             return gathered
         # dp*cp*n, ... -> dp, cp, n, ... : keep cp rank 0's copy
         return gathered.unflatten(0, (self.dp_size, self.cp, -1))[:, 0].flatten(0, 1)
-
-
-def _refuse_sharded_state(models, *_args) -> None:
-    if any(data_parallel.is_sharded(m) for m in models):
-        raise ValueError(
-            "accelerator.save_state/load_state cannot handle a model cp_lightning sharded with fsdp=True (it would "
-            "save rank 0's shards as the whole model); use cp.save_state(path, model=model, optimizer=optimizer) "
-            "and cp.load_state(path, model=model, optimizer=optimizer), which write sharded checkpoints."
-        )
-
-
-def _sharded_param(model: nn.Module, name: str) -> nn.Parameter:
-    return model.get_parameter(name)
-
-
-def _check_optimizers(optimizers, models, sharded: set[int]) -> None:
-    """Under FSDP an optimizer must be prepared with its model (its parameters are then replaced by the sharded
-    ones) or created from the already sharded model; anything else would train stale copies."""
-    known = {id(p) for m in models for p in m.parameters()} | sharded
-    for optimizer in optimizers:
-        params = [p for g in optimizer.param_groups for p in g["params"]]
-        stale = [p for p in params if id(p) not in known]
-        if stale or (optimizer.state and any(id(p) not in sharded for p in params)):
-            raise ValueError(
-                f"with fsdp=True this optimizer would train {len(stale) or len(params)} stale, unsharded parameters: "
-                "it was created before the model was sharded and is not prepared together with it. Pass model and "
-                "optimizer to the same ContextParallel.prepare(model, optimizer, ...) call (before any optimizer "
-                "step), or create the optimizer from the prepared model's parameters."
-            )
 
 
 def prepare_context_parallel(accelerator, *objects: Any, cp: int, ring: int = 1, plan: Mapping | None = None, **kwargs):

@@ -26,8 +26,9 @@ class FabricContextParallelStrategy(ContextParallelAdapter, FabricDDPStrategy):
     ``timeout`` is as for the Lightning strategy: the rendezvous at ``fabric.launch()`` waits at
     least Lightning's 30 min, every group of the mesh ``timeout`` from ``fabric.setup(model)`` on.
     ``nonfinite`` too: losses are checked in ``fabric.backward``, local gradients (DDP) in the communication
-    hook, and all ranks agree in ``optimizer.step()``, which raises on every rank or skips the step (counted
-    in ``skipped_steps``); the step named is the number of optimizer steps before it.
+    hook, gradient shards (FSDP) after the reduce-scatter, and all ranks agree in ``optimizer.step()``, which
+    raises on every rank or skips the step (counted in ``skipped_steps``); the step named is the number of
+    optimizer steps before it.
     ``activation_offload`` too, checked and applied in ``fabric.setup(model)`` (checkpointing enabled before).
     """
 
@@ -86,6 +87,8 @@ class FabricContextParallelStrategy(ContextParallelAdapter, FabricDDPStrategy):
 
     def optimizer_step(self, optimizer, **kwargs):
         step, self._optimizer_steps = self._optimizer_steps, self._optimizer_steps + 1
+        if self.nonfinite.active and self.fsdp:  # no DDP hook saw them: check the reduce-scattered shards
+            self.nonfinite.note_sharded_grads(p for g in optimizer.param_groups for p in g["params"])
         if self.nonfinite.active and self.nonfinite.resolve(step, self.root_device):  # raises in mode "raise"
             optimizer.zero_grad(set_to_none=True)  # the optimizer leaves parameters without a gradient alone
         return super().optimizer_step(optimizer, **kwargs)

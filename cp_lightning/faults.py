@@ -173,6 +173,7 @@ class NonFiniteCheck:
         self.skipped = 0
         self._loss_bad: torch.Tensor | None = None
         self._grad_bad: torch.Tensor | None = None
+        self._shard_bad: torch.Tensor | None = None
 
     @property
     def active(self) -> bool:
@@ -187,25 +188,36 @@ class NonFiniteCheck:
         bad = ~torch.isfinite(buffer).all()
         self._grad_bad = bad if self._grad_bad is None else self._grad_bad | bad
 
+    def note_sharded_grads(self, parameters) -> None:
+        """FSDP: this rank's gradient shards, after the reduce-scatter (a non-finite gradient on any rank reaches the
+        shards that hold its elements). No host sync here either."""
+        for p in parameters:
+            if p.grad is None:
+                continue
+            grad = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
+            bad = ~torch.isfinite(grad).all()
+            self._shard_bad = bad if self._shard_bad is None else self._shard_bad | bad
+
     def resolve(self, step: int, device: torch.device) -> bool:
         """Collective. False: the step is fine. True: skip it (mode "skip"). Raises :class:`NonFiniteError`
         (mode "raise") naming the step and the ranks, identically on every rank."""
         world, rank = dist.get_world_size(), dist.get_rank()
-        flags = torch.zeros(2, world, dtype=torch.int32, device=device)
-        if self._loss_bad is not None:
-            flags[0, rank] = self._loss_bad.to(device)
-        if self._grad_bad is not None:
-            flags[1, rank] = self._grad_bad.to(device)
-        self._loss_bad = self._grad_bad = None
+        flags = torch.zeros(3, world, dtype=torch.int32, device=device)
+        for row, bad in enumerate((self._loss_bad, self._grad_bad, self._shard_bad)):
+            if bad is not None:
+                flags[row, rank] = bad.to(device)
+        self._loss_bad = self._grad_bad = self._shard_bad = None
         dist.all_reduce(flags)
-        loss_ranks, grad_ranks = (torch.nonzero(row).flatten().tolist() for row in flags.cpu())
-        if not loss_ranks and not grad_ranks:
+        loss_ranks, grad_ranks, shard_ranks = (torch.nonzero(row).flatten().tolist() for row in flags.cpu())
+        if not loss_ranks and not grad_ranks and not shard_ranks:
             return False
         parts = []
         if loss_ranks:
             parts.append(f"non-finite loss on rank(s) {loss_ranks}")
         if grad_ranks:
             parts.append(f"non-finite gradients on rank(s) {grad_ranks} (before the all-reduce)")
+        if shard_ranks:
+            parts.append(f"non-finite gradient shards on rank(s) {shard_ranks} (FSDP, after the reduce-scatter)")
         what = f"step {step}: {'; '.join(parts)}"
         if self.mode == "raise":
             raise NonFiniteError(

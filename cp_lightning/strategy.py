@@ -64,9 +64,10 @@ class ContextParallelStrategy(ContextParallelAdapter, DDPStrategy):
             True, or a dict of ``torch.compile`` arguments (see ``cp_lightning.compilation``).
         timeout: how long a collective waits for its peers (a ``timedelta`` or seconds), in every group of the
             mesh, before it fails naming the collective and the missing ranks; Lightning's 30 min if None.
-        nonfinite: a non-finite loss or local gradient ``"raise"``s :class:`~cp_lightning.faults.NonFiniteError`
-            (naming the step and the ranks, before any weight changes), ``"skip"``s the step (counted in
-            ``skipped_steps``, logged) or is ``"ignore"``d (no check). See docs/operations.md.
+        nonfinite: a non-finite loss or local gradient (under FSDP: gradient shard) ``"raise"``s
+            :class:`~cp_lightning.faults.NonFiniteError` (naming the step and the ranks, before any weight changes),
+            ``"skip"``s the step (counted in ``skipped_steps``, logged) or is ``"ignore"``d (no check). See
+            docs/operations.md.
         activation_offload: keep each checkpointed block's inputs in CPU memory until backward (pinned, copied
             asynchronously on CUDA) and recompute blocks without repeating their CP communication: the outputs
             of the all-to-alls and of ring attention are kept (:mod:`cp_lightning.offload`). Needs gradient
@@ -188,6 +189,8 @@ class ContextParallelStrategy(ContextParallelAdapter, DDPStrategy):
 
         def checked_closure():
             result = closure()  # forward and backward: the gradients are all-reduced now
+            if self.fsdp:  # no DDP hook saw them: check the reduce-scattered shards
+                self.nonfinite.note_sharded_grads(p for g in optimizer.param_groups for p in g["params"])
             if self.nonfinite.resolve(trainer.global_step, self.root_device):  # raises in mode "raise"
                 optimizer.zero_grad(set_to_none=True)  # the optimizer leaves parameters without a gradient alone
                 for logger in trainer.loggers:

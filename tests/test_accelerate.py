@@ -166,7 +166,7 @@ def error_cases(rank):
 
 
 def timeout_case():
-    """Seconds each mesh group waits: by default the world's (240 s here, not torch's 30 min), else `timeout`."""
+    """Seconds each mesh group waits: by default the world's (480 s here, not torch's 30 min), else `timeout`."""
     import torch.distributed as dist
 
     from cp_lightning import faults
@@ -190,7 +190,93 @@ def cp_worker(rank, world, tmp):
     out["odd_length"] = run_cp("sgd", shape=ODD)
     out["odd_length_loss_parallel"] = run_cp("sgd", shape=ODD, loss_parallel=True)
     out["resume"] = resume_case(Path(tmp))
+    out["mid_epoch_resume"] = mid_epoch_resume_case(Path(tmp))
+    out["nonfinite"] = nonfinite_cases(rank)
     return portable(out)
+
+
+def full_params(model) -> dict[str, torch.Tensor]:
+    """Collective under FSDP: every parameter whole (a DTensor's full tensor)."""
+    return {
+        n.removeprefix("module."): (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
+        for n, p in model.named_parameters()
+    }
+
+
+def mid_epoch_resume_case(tmp: Path):
+    """FSDP, cp.save_state after step 4 (12 samples / global batch 4: one batch into epoch 1), fresh state,
+    cp.load_state, 2 more steps from the loader's own epoch. Accelerate's default sampler (no seedable sampler):
+    the epoch's order comes from its generator, so only a restored generator and position give the same batches."""
+    from cp_lightning.accelerate import ContextParallel
+
+    def setup():
+        accelerator = fresh_accelerator()
+        model = make_task(noise="rng")
+        cpx = ContextParallel(accelerator, cp=2, seed=0, fsdp=True)
+        opt = optimizer("adamw", model.parameters())
+        loader = DataLoader(Samples(), batch_size=PER_RANK_BATCH, shuffle=True)
+        return (cpx, accelerator, *cpx.prepare(model, opt, loader))
+
+    cpx, accelerator, model, opt, loader = setup()
+    full = train(accelerator, model, opt, loader, 6)
+    want = full_params(model)
+    cpx, accelerator, model, opt, loader = setup()
+    train(accelerator, model, opt, loader, 4)
+    cpx.save_state(tmp / "mid_epoch", model=model, optimizer=opt, note="kept")
+    cpx, accelerator, model, opt, loader = setup()
+    torch.manual_seed(12345)  # anything drawn now must be overwritten by load_state
+    extra = cpx.load_state(tmp / "mid_epoch", model=model, optimizer=opt)
+    epoch = loader.iteration
+    resumed = train(accelerator, model, opt, loader, 2, start_epoch=epoch)
+    return {
+        "full": full,
+        "resumed": resumed,
+        "epoch": epoch,
+        "extra": extra,
+        "err": param_rel_err(full_params(model), want),
+    }
+
+
+def nonfinite_cases(rank):
+    """A NaN loss (DDP, "raise"), a NaN gradient with a finite loss (DDP "skip"; FSDP "raise": the shards) on rank 1
+    at optimizer step 1 (of 3, one epoch). Records the error, whether the step changed a weight and the learning rate."""
+    from cp_lightning import faults
+    from cp_lightning.accelerate import ContextParallel
+
+    out = {}
+    for name, mode, fsdp, kind in (
+        ("ddp_raise", "raise", False, "loss"),
+        ("ddp_skip", "skip", False, "grad"),
+        ("fsdp_raise", "raise", True, "grad"),
+    ):
+        accelerator = fresh_accelerator()
+        cpx = ContextParallel(accelerator, cp=2, seed=0, fsdp=fsdp, nonfinite=mode)
+        model = make_task()
+        opt = optimizer("sgd", model.parameters())
+        scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+        loader = DataLoader(Samples(), batch_size=PER_RANK_BATCH, shuffle=True)
+        model, opt, scheduler, loader = cpx.prepare(model, opt, scheduler, loader)
+        case = {"error": None}
+        for step, batch in enumerate(loader):
+            loss = model(batch)[0]
+            if step == 1 and rank == 1:  # NaN loss; or a finite one whose gradient is NaN (d sqrt(x) at 0, times 0)
+                loss = loss * float("nan") if kind == "loss" else loss + (0 * loss).sqrt()
+            accelerator.backward(loss)
+            before, lr = full_params(model), scheduler.get_last_lr()
+            try:
+                opt.step()
+            except faults.NonFiniteError as err:
+                case["error"] = str(err)
+            after = full_params(model)
+            case[f"changed_{step}"] = any(not torch.equal(before[n], after[n]) for n in before)
+            if case["error"] is not None:
+                break
+            scheduler.step()
+            case[f"lr_held_{step}"] = scheduler.get_last_lr() == lr
+            opt.zero_grad()
+        case["skipped"] = cpx.skipped_steps
+        out[name] = case
+    return out
 
 
 def resume_case(tmp: Path):
@@ -248,7 +334,7 @@ def ddp_worker(rank, world):
 def cp_results(tmp_path_factory):
     # LOCAL_WORLD_SIZE: one node, as a launcher would say (Accelerate otherwise assumes 1 per node)
     tmp = str(tmp_path_factory.mktemp("acc"))
-    return portable(spawn(cp_worker, 4, tmp, timeout_s=240, env={"LOCAL_WORLD_SIZE": "4"}), torch.from_numpy)
+    return portable(spawn(cp_worker, 4, tmp, timeout_s=480, env={"LOCAL_WORLD_SIZE": "4"}), torch.from_numpy)
 
 
 @pytest.fixture(scope="module")
@@ -377,6 +463,34 @@ def test_save_state_load_state_resumes_exactly(cp_results):
     assert {f"random_states_{i}.pkl" for i in range(4)} <= set(files), files
 
 
+def test_cp_save_state_resumes_mid_epoch_with_the_loaders_position(cp_results):
+    for r in cp_results:
+        res = r["mid_epoch_resume"]
+        assert res["epoch"] == 1 and res["extra"] == {"note": "kept"}, (res["epoch"], res["extra"])
+        assert [rec["index"] for rec in res["resumed"]] == [rec["index"] for rec in res["full"][4:]]
+        for got, want in zip(res["resumed"], res["full"][4:], strict=True):
+            assert abs(got["loss"] - want["loss"]) <= 1e-6 * abs(want["loss"]), (got["loss"], want["loss"])
+            assert got["noise_sum"] == want["noise_sum"]
+        assert res["err"] <= 1e-6, res["err"]
+
+
+def test_nonfinite_raise_names_the_step_and_ranks_on_every_rank_and_skip_skips(cp_results):
+    for r in cp_results:
+        raised = r["nonfinite"]["ddp_raise"]
+        assert raised["error"].startswith("step 1: non-finite loss on rank(s) [1]"), raised["error"]
+        assert "cp_lightning.accelerate.ContextParallel(..., nonfinite='skip')" in raised["error"], raised["error"]
+        assert raised["changed_0"] and not raised["changed_1"], raised
+        sharded = r["nonfinite"]["fsdp_raise"]  # the loss is finite: only the gradient shards show it
+        assert sharded["error"].startswith(
+            "step 1: non-finite gradient shards on rank(s) [0, 1, 2, 3] (FSDP, after the reduce-scatter)"
+        ), sharded["error"]
+        assert sharded["changed_0"] and not sharded["changed_1"], sharded
+        skipped = r["nonfinite"]["ddp_skip"]
+        assert skipped["error"] is None and skipped["skipped"] == 1, skipped
+        assert skipped["changed_0"] and not skipped["changed_1"] and skipped["changed_2"], skipped
+        assert not skipped["lr_held_0"] and skipped["lr_held_1"] and not skipped["lr_held_2"], skipped
+
+
 def test_saved_model_loads_into_the_bare_model_without_cp_lightning(cp_results):
     from safetensors.torch import load_file
 
@@ -401,7 +515,7 @@ ERRORS = {
 
 def test_every_mesh_group_gets_the_world_timeout_or_the_given_one(cp_results):
     for r in cp_results:
-        assert r["timeouts"] == {"world": 240.0, "default": [240.0], "given": [200.0]}, r["timeouts"]
+        assert r["timeouts"] == {"world": 480.0, "default": [480.0], "given": [200.0]}, r["timeouts"]
 
 
 @pytest.mark.parametrize("case", list(ERRORS))

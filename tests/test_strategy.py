@@ -203,6 +203,7 @@ def _world4_cases(rank, world, root):
 
     case("accumulated", accumulated)
     case("bf16", cp_fit, dict(optimizer="sgd"), dict(degree=2), precision="bf16-mixed")
+    case("fsdp_nan_gradient", fit, _NanGradientAtStep2(optimizer="sgd"), _external(2, fsdp=True), steps=4)
     case("mismatch", cp_fit, dict(noise="per_rank"), dict(degree=2), steps=2)  # last: it raises
     return out
 
@@ -247,6 +248,16 @@ def _result(runs, name):
     if isinstance(value, BaseException):
         raise value
     return _params(value) if isinstance(value, dict) else value
+
+
+class _NanGradientAtStep2(FlowMatching):
+    """Rank 1's loss at step 2 is finite but its gradient is NaN (d sqrt(x) at 0 is inf, times 0)."""
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        if self.global_step == 2 and self.global_rank == 1:
+            loss = loss + (0 * loss).sqrt()
+        return loss
 
 
 class _NoPlanModule(L.LightningModule):
@@ -319,6 +330,14 @@ def test_rng_is_shared_by_cp_peers_and_differs_across_dp(world4):
             assert row["cp_group"] == [rank // 2 * 2, rank // 2 * 2 + 1] and row["dp_rank"] == rank // 2
         assert at[0]["noise_sum"] == at[1]["noise_sum"] and at[2]["noise_sum"] == at[3]["noise_sum"]  # CP peers
         assert at[0]["noise_sum"] != at[2]["noise_sum"]  # dp ranks
+
+
+def test_a_nan_gradient_under_fsdp_is_an_error_naming_the_step_and_ranks(world4):
+    """The loss is finite, so only the gradient shards (reduce-scattered: every rank's) show it."""
+    err = world4[0]["fsdp_nan_gradient"]
+    assert isinstance(err, BaseException), "the NaN gradient went unnoticed"
+    assert "NonFiniteError: step 2: non-finite gradient shards on rank(s) [0, 1, 2, 3] (FSDP" in str(err), err
+    assert "nonfinite='skip'" in str(err), err
 
 
 def test_mismatched_inputs_on_cp_peers_raise_a_named_error(world4):
