@@ -55,7 +55,7 @@ def _run(model, inputs, optimizer):
 def _config(cp: int, mode: str, args) -> dict:
     import torch
 
-    from cp_lightning import build_mesh, data_parallel, parallelize
+    from cp_lightning import build_mesh, data_parallel, parallelize, sharding
 
     dev = common.device()
     model = common.build_model(layers=args.layers, heads=args.heads, head_dim=args.head_dim).to(dev)
@@ -65,8 +65,8 @@ def _config(cp: int, mode: str, args) -> dict:
         wrapped = torch.nn.parallel.DistributedDataParallel(model)
         data_parallel.register_ddp_hook(wrapped, mesh["dp"].size(), loss_parallel=False)
     else:
-        options = data_parallel.FSDPOptions(hsdp=mode == "hsdp")
-        wrapped = data_parallel.apply_fsdp(model, mesh=mesh, plan=None, options=options, loss_parallel=False)
+        options = sharding.FSDPOptions(hsdp=mode == "hsdp")
+        wrapped = sharding.apply_fsdp(model, mesh=mesh, plan=None, options=options, loss_parallel=False)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     inputs = common.make_inputs(model, tokens=args.tokens, text_tokens=args.text_tokens, device=dev)
     _run(wrapped, inputs, optimizer)  # the optimizer state exists from here on

@@ -78,7 +78,7 @@ def _row(name: str, cp: int, mode: str) -> dict:
     import diffusers
     import torch
 
-    from cp_lightning import build_mesh, data_parallel, parallelize
+    from cp_lightning import build_mesh, data_parallel, parallelize, sharding
     from cp_lightning.models import CASES
     from cp_lightning.planner.trace import LiveBytes
 
@@ -104,8 +104,8 @@ def _row(name: str, cp: int, mode: str) -> dict:
             wrapped = torch.nn.parallel.DistributedDataParallel(model)
             data_parallel.register_ddp_hook(wrapped, mesh["dp"].size(), loss_parallel=False)
         else:
-            options = data_parallel.FSDPOptions()
-            wrapped = data_parallel.apply_fsdp(model, mesh=mesh, plan=None, options=options, loss_parallel=False)
+            options = sharding.FSDPOptions()
+            wrapped = sharding.apply_fsdp(model, mesh=mesh, plan=None, options=options, loss_parallel=False)
         optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
         inputs = CASES["wan2.1"].inputs(model, torch.Generator().manual_seed(0), 1, tokens, text, torch.float32)
 

@@ -37,7 +37,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader
 
 from cp_lightning import accelerate_checks as checks
-from cp_lightning import accelerate_state, data_parallel, dynamic, faults, loading, offload
+from cp_lightning import accelerate_state, data_parallel, dynamic, faults, loading, offload, sharding
 from cp_lightning.compilation import compile_options, compile_targets
 from cp_lightning.mesh import CP, DP, build_mesh
 
@@ -121,7 +121,7 @@ class ContextParallel:
     ) -> None:
         data_parallel.check_cp_options(cp, ring, plan, kernel, check_steps)
         self.timeout = faults.check_timeout(timeout) if timeout is not None else None
-        self.fsdp_options = data_parallel.fsdp_options(
+        self.fsdp_options = sharding.fsdp_options(
             fsdp, reshard_after_forward=reshard_after_forward, cpu_offload=cpu_offload, hsdp=hsdp, blocks=fsdp_blocks
         )
         self.compile = compile_options(compile)  # None when off
@@ -148,7 +148,7 @@ class ContextParallel:
                     "needs a sharded gradient scaler)."
                 )
             if accelerator.mixed_precision == "bf16":
-                self.fsdp_options = data_parallel.FSDPOptions(
+                self.fsdp_options = sharding.FSDPOptions(
                     **{**self.fsdp_options.__dict__, "param_dtype": torch.bfloat16}
                 )
         self._sharded_params: set[int] = set()
@@ -227,19 +227,19 @@ class ContextParallel:
                     loading.check_pretrained(module)
                 offload.check_activation_offload(obj, self.plan, enabled=self.activation_offload, compile=self.compile)
                 if self.fsdp_options is not None and self.mesh is not None:
-                    data_parallel.check_fsdp_model(obj, self.plan, self.fsdp_options)
+                    sharding.check_fsdp_model(obj, self.plan, self.fsdp_options)
             elif isinstance(obj, DataLoader) and getattr(obj, "_is_accelerate_prepared", False):
                 raise ValueError(
                     "this DataLoader was already prepared by accelerator.prepare, which shards it over all "
                     f"{self.accelerator.num_processes} processes; CP peers need the same batch. Pass the original "
                     "DataLoader to ContextParallel.prepare."
                 )
-        sharding = self.fsdp_options is not None and self.mesh is not None
+        sharded = self.fsdp_options is not None and self.mesh is not None
         models = [obj for obj in objects if isinstance(obj, nn.Module)]
         optimizers = [obj for obj in objects if isinstance(obj, torch.optim.Optimizer)]
-        if sharding:
+        if sharded:
             checks.check_optimizers(optimizers, models, self._sharded_params)
-        names = {id(p): (m, n) for m in models for n, p in m.named_parameters()} if sharding else {}
+        names = {id(p): (m, n) for m in models for n, p in m.named_parameters()} if sharded else {}
         prepared: list[Any] = [None] * len(objects)
         others = []
         for i, obj in enumerate(objects):
@@ -249,7 +249,7 @@ class ContextParallel:
                 prepared[i] = self._prepare_data_loader(obj)
             else:
                 others.append(i)
-        if sharding:  # optimizers given with their model now point at its sharded parameters
+        if sharded:  # optimizers given with their model now point at its sharded parameters
             for optimizer in optimizers:
                 for group in optimizer.param_groups:
                     group["params"] = [
@@ -261,7 +261,7 @@ class ContextParallel:
             for i, obj in zip(others, result, strict=True):
                 prepared[i] = obj
                 if self.mesh is not None and isinstance(objects[i], torch.optim.Optimizer):
-                    self.steps.wrap(obj, self.accelerator, sharded=sharding, device=self.accelerator.device)
+                    self.steps.wrap(obj, self.accelerator, sharded=sharded, device=self.accelerator.device)
         return prepared[0] if len(prepared) == 1 else tuple(prepared)
 
     def _prepare_model(self, model: nn.Module) -> nn.Module:
@@ -297,7 +297,7 @@ class ContextParallel:
             offload.apply_activation_offload(model, self.plan)
         compile_targets(model, self.plan, self.compile)  # after parallelize, before fully_shard
         loading.move_unpending(model, acc.device)  # meta-built weights are allocated after sharding
-        data_parallel.apply_fsdp(
+        sharding.apply_fsdp(
             model,
             mesh=self.mesh,
             plan=self.plan,

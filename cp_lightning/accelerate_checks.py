@@ -9,7 +9,7 @@ from collections.abc import Mapping
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from cp_lightning import data_parallel
+from cp_lightning import data_parallel, sharding
 from cp_lightning.compilation import compile_options
 from cp_lightning.mesh import _local_world_size, validate_degrees
 
@@ -113,7 +113,7 @@ def check_model(accelerator, model: nn.Module, plan: Mapping | None) -> None:
 
 
 def refuse_sharded_state(models, *_args) -> None:
-    if any(data_parallel.is_sharded(m) for m in models):
+    if any(sharding.is_sharded(m) for m in models):
         raise ValueError(
             "accelerator.save_state/load_state cannot handle a model cp_lightning sharded with fsdp=True (it would "
             "save rank 0's shards as the whole model); use cp.save_state(path, model=model, optimizer=optimizer) "

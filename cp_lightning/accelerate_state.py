@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from cp_lightning import data_parallel, faults
+from cp_lightning import data_parallel, faults, sharding
 
 
 class LoaderPositions:
@@ -148,7 +148,7 @@ def load_sharded(path, *, model: nn.Module, optimizer, dp_rank: int, dp_size: in
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
     path = Path(path)
-    data_parallel.check_checkpoint_layout(path, model, dp_size, prefix="model.")  # no collectives
+    sharding.check_checkpoint_layout(path, model, dp_size, prefix="model.")  # no collectives
     optimizer = getattr(optimizer, "optimizer", optimizer)
     optimizers = [optimizer] if optimizer is not None else []
     model_state, optim_state = get_state_dict(model, optimizers)

@@ -14,7 +14,7 @@ from lightning.fabric.plugins.collectives.torch_collective import default_pg_tim
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from cp_lightning import data_parallel, dynamic, faults, loading, offload
+from cp_lightning import data_parallel, dynamic, faults, loading, offload, sharding
 from cp_lightning.compilation import compile_options, compile_targets
 from cp_lightning.mesh import CP, DP, build_mesh
 
@@ -32,10 +32,10 @@ class ContextParallelAdapter:
         self.plan, self.loss_parallel, self.kernel = plan, bool(loss_parallel), kernel
         self.allow_cross_node, self.check_steps = allow_cross_node, check_steps
         self._mesh: DeviceMesh | None = None
-        self.fsdp_options: data_parallel.FSDPOptions | None = None
+        self.fsdp_options: sharding.FSDPOptions | None = None
 
     def _init_fsdp(self, fsdp, reshard_after_forward, cpu_offload, hsdp, fsdp_blocks) -> None:
-        self.fsdp_options = data_parallel.fsdp_options(
+        self.fsdp_options = sharding.fsdp_options(
             fsdp, reshard_after_forward=reshard_after_forward, cpu_offload=cpu_offload, hsdp=hsdp, blocks=fsdp_blocks
         )
 
@@ -230,8 +230,8 @@ class ContextParallelAdapter:
         options = self.fsdp_options
         dtype = self._fsdp_param_dtype()
         if dtype is not None:
-            options = data_parallel.FSDPOptions(**{**options.__dict__, "param_dtype": dtype})
-        data_parallel.apply_fsdp(
+            options = sharding.FSDPOptions(**{**options.__dict__, "param_dtype": dtype})
+        sharding.apply_fsdp(
             root,
             mesh=self.device_mesh,
             plan=self.plan,

@@ -13,7 +13,7 @@ import torch
 from lightning.fabric.strategies import DDPStrategy as FabricDDPStrategy
 from torch import nn
 
-from cp_lightning import data_parallel, faults, loading
+from cp_lightning import faults, loading, sharding
 from cp_lightning.adapter import ContextParallelAdapter
 
 
@@ -99,7 +99,7 @@ class FabricContextParallelStrategy(ContextParallelAdapter, FabricDDPStrategy):
 
     def setup_module(self, module: nn.Module):
         if self.fsdp:
-            data_parallel.check_fsdp_model(module, self.plan, self.fsdp_options)  # before any collective
+            sharding.check_fsdp_model(module, self.plan, self.fsdp_options)  # before any collective
         self._check_pretrained(module)
         if not self.fsdp:
             self._load_pretrained(module)
@@ -167,7 +167,7 @@ class FabricContextParallelStrategy(ContextParallelAdapter, FabricDDPStrategy):
         if len(modules) != 1:
             raise ValueError(f"fsdp=True loads one sharded model per checkpoint; the state holds {len(modules)}.")
         key = next(k for k, m in state.items() if isinstance(m, nn.Module))
-        data_parallel.check_checkpoint_layout(path, modules[0], self.dp_size, prefix=f"{key}.")
+        sharding.check_checkpoint_layout(path, modules[0], self.dp_size, prefix=f"{key}.")
         full = {**state, "cp_lightning": None}
         rest = _load_checkpoint(path, full, strict=strict, weights_only=weights_only)
         for k in state:  # Fabric's contract: non-module entries of `state` are updated in place

@@ -150,7 +150,7 @@ def loss_shard(target, module: nn.Module, dim: int = 1):
     matching slice of the target. The same code then runs unchanged with and without CP. The loss
     must be a mean over the shard's tokens (e.g. ``F.mse_loss``): when the CP degree does not divide
     the sequence, shards differ in length, and the output's gradient is weighted so that DDP's mean
-    over ranks equals the full-sequence mean (see ``plan._gather_hook``).
+    over ranks equals the full-sequence mean (see ``cp_lightning.plan.hooks._gather_hook``).
     """
     state = parallel_state(module)
     if state is None or not state.loss_parallel:

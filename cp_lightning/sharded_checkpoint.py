@@ -77,7 +77,7 @@ def load(
     """Load the DCP directory ``path`` into the sharded ``module`` and its ``optimizers`` in place (collective)
     and return the rest of the checkpoint (``meta``, read from ``meta.pt`` unless given), with the
     per-parameter extras as tensors sharded like their parameters. Run
-    :func:`cp_lightning.data_parallel.check_checkpoint_layout` first (no collectives)."""
+    :func:`cp_lightning.sharding.check_checkpoint_layout` first (no collectives)."""
     from torch.distributed.checkpoint import load as dcp_load
     from torch.distributed.checkpoint.state_dict import (
         StateDictOptions,

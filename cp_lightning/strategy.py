@@ -30,7 +30,7 @@ import torch
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 
-from cp_lightning import data_parallel, dynamic, faults, loading, sharded_checkpoint
+from cp_lightning import dynamic, faults, loading, sharded_checkpoint, sharding
 from cp_lightning.adapter import ContextParallelAdapter
 from cp_lightning.checkpoint_io import AtomicCheckpointIO, repair_epoch_progress
 
@@ -139,7 +139,7 @@ class ContextParallelStrategy(ContextParallelAdapter, DDPStrategy):
             dynamic.check_module(self.lightning_module)  # before any collective
         if self.fsdp:
             options = self.fsdp_options
-            data_parallel.check_fsdp_model(self.lightning_module, self.plan, options)  # before any collective
+            sharding.check_fsdp_model(self.lightning_module, self.plan, options)  # before any collective
         self._check_pretrained(self.lightning_module)
         if not self.fsdp:
             self._load_pretrained(self.lightning_module)
@@ -299,7 +299,7 @@ class ContextParallelStrategy(ContextParallelAdapter, DDPStrategy):
             strict, weights_only = self.lightning_module.strict_loading, kwargs.get("weights_only")
             meta = sharded_checkpoint.read_meta(path, weights_only)
             _module_check(self.lightning_module, meta)  # no collectives from here to the load
-            data_parallel.check_checkpoint_layout(path, self.model, self.dp_size, strict=strict)
+            sharding.check_checkpoint_layout(path, self.model, self.dp_size, strict=strict)
             checkpoint = sharded_checkpoint.load(
                 path, self.model, self.optimizers, strict=strict, weights_only=weights_only, meta=meta
             )

@@ -102,7 +102,7 @@ class Export(L.Callback):
 
     def export(self, pl_module, *, step: int, epoch: int) -> None:
         """Every rank calls it (a collective when the model is sharded)."""
-        from cp_lightning.data_parallel import export_pretrained
+        from cp_lightning.sharding import export_pretrained
         from recipes import lora
 
         if pl_module.hparams.lora_rank:

@@ -321,7 +321,7 @@ def export(pl_module, directory: str | Path, *, fmt: str = "diffusers", step: in
     """
     import torch.distributed as dist
 
-    from cp_lightning.data_parallel import lora_state_dict
+    from cp_lightning.sharding import lora_state_dict
 
     check_format(pl_module.hparams.get("lora_type", "lora"), fmt)
     state = lora_state_dict(pl_module.transformer)

@@ -238,8 +238,9 @@ def mid_epoch_resume_case(tmp: Path):
 
 
 def nonfinite_cases(rank):
-    """A NaN loss (DDP, "raise"), a NaN gradient with a finite loss (DDP "skip"; FSDP "raise": the shards) on rank 1
-    at optimizer step 1 (of 3, one epoch). Records the error, whether the step changed a weight and the learning rate."""
+    """A NaN loss (DDP, "raise"), a NaN gradient with a finite loss (DDP "skip"; FSDP "raise": the shards) on
+    rank 1 at optimizer step 1 (of 3, one epoch). Records the error, whether each step changed a weight and
+    whether the learning rate held."""
     from cp_lightning import faults
     from cp_lightning.accelerate import ContextParallel
 

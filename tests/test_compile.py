@@ -312,7 +312,7 @@ def _lightning_fsdp(rank):
     from torch.utils.data import DataLoader
 
     from cp_lightning import ContextParallelStrategy
-    from cp_lightning.data_parallel import full_state_dict
+    from cp_lightning.sharding import full_state_dict
     from tests.lightning_tasks import FlowMatching, Samples
     from tests.test_strategy import GLOBAL_BATCH
 
@@ -364,7 +364,7 @@ def _accelerate_fsdp(rank):
     from torch.utils.data import DataLoader
 
     from cp_lightning.accelerate import ContextParallel
-    from cp_lightning.data_parallel import full_state_dict
+    from cp_lightning.sharding import full_state_dict
     from tests.lightning_tasks import Samples
     from tests.test_accelerate import PER_RANK_BATCH, fresh_accelerator, make_task, optimizer, train
 
@@ -419,7 +419,7 @@ def _lookups(rank, world, mesh):
     from cp_lightning import faults
     from cp_lightning.attention import ContextParallelAttention
     from cp_lightning.mesh import cp_groups
-    from cp_lightning.plan import SplitState
+    from cp_lightning.split_table import SplitState
 
     faults.set_collective_timeout(timedelta(seconds=60), mesh, 1)
     groups = cp_groups(mesh)

@@ -137,7 +137,7 @@ def test_fsdp_config_shards_its_architecture_and_states_the_sharded_bytes(config
     from accelerate import init_empty_weights
     from peft import LoraConfig
 
-    from cp_lightning.data_parallel import FSDPOptions, check_fsdp_model
+    from cp_lightning.sharding import FSDPOptions, check_fsdp_model
 
     text = (ROOT / "configs" / config).read_text()
     raw = yaml.safe_load(text)

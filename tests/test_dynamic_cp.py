@@ -160,7 +160,7 @@ def lightning_fit(rank, schedule, strategy_kwargs, module_kwargs):
     import lightning as L
 
     from cp_lightning import ContextParallelStrategy
-    from cp_lightning.data_parallel import full_state_dict
+    from cp_lightning.sharding import full_state_dict
 
     class Module(L.LightningModule):
         def __init__(self):
@@ -241,7 +241,7 @@ def fabric_fit(rank, schedule):
 def accelerate_fit(rank, schedule, fsdp: bool):
     """Accelerate: accelerator.accumulate and accelerator.backward (which divides by the accumulation steps)."""
     from cp_lightning.accelerate import ContextParallel
-    from cp_lightning.data_parallel import full_state_dict
+    from cp_lightning.sharding import full_state_dict
     from tests.test_accelerate import fresh_accelerator
 
     steps = SCHEDULES[schedule]

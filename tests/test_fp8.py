@@ -101,7 +101,7 @@ def fsdp_cases(mesh, reference, reference_bf16) -> dict:
     from torch.distributed.tensor import DTensor
 
     from cp_lightning import parallelize
-    from cp_lightning.data_parallel import FSDPOptions, apply_fsdp
+    from cp_lightning.sharding import FSDPOptions, apply_fsdp
 
     out = {}
     for name, options, autocast, ref in (
@@ -117,7 +117,7 @@ def fsdp_cases(mesh, reference, reference_bf16) -> dict:
     # the LoRA export of the sharded fp8 model: only the adapter is gathered (gloo has no float8 all-gather)
     from peft.utils import get_peft_model_state_dict
 
-    from cp_lightning.data_parallel import lora_state_dict
+    from cp_lightning.sharding import lora_state_dict
 
     exported, want = lora_state_dict(model), get_peft_model_state_dict(lora_flux())
     out["lora-export"] = sorted(exported) == sorted(want) and all(torch.equal(exported[k], want[k]) for k in want)

@@ -43,7 +43,7 @@ def fit(module_kwargs=None, strategy_kwargs=None, steps=STEPS, samples=None, ckp
     import lightning as L
 
     from cp_lightning import ContextParallelStrategy
-    from cp_lightning.data_parallel import full_state_dict
+    from cp_lightning.sharding import full_state_dict
 
     module_kwargs, strategy_kwargs = dict(module_kwargs or {}), {"cp": 2, "fsdp": True, **(strategy_kwargs or {})}
     root = kw.pop("root", None)
@@ -138,7 +138,7 @@ def export_case(tmp: Path) -> dict:
     import lightning as L
 
     from cp_lightning import ContextParallelStrategy
-    from cp_lightning.data_parallel import export_lora, export_pretrained, full_state_dict
+    from cp_lightning.sharding import export_lora, export_pretrained, full_state_dict
 
     out = {}
     for lora in (True, False):
@@ -198,7 +198,7 @@ def fabric_case(tmp: Path) -> dict:
     from lightning.fabric import Fabric
 
     from cp_lightning import FabricContextParallelStrategy
-    from cp_lightning.data_parallel import full_state_dict
+    from cp_lightning.sharding import full_state_dict
 
     fabric = Fabric(accelerator="cpu", devices=4, strategy=FabricContextParallelStrategy(cp=2, fsdp=True))
     fabric.launch()
@@ -251,7 +251,7 @@ def fabric_case(tmp: Path) -> dict:
 
 def accelerate_cases(tmp: Path) -> dict:
     from cp_lightning.accelerate import ContextParallel
-    from cp_lightning.data_parallel import full_state_dict
+    from cp_lightning.sharding import full_state_dict
     from tests.test_accelerate import PER_RANK_BATCH, fresh_accelerator, make_task, optimizer, train
 
     out = {}
@@ -496,7 +496,7 @@ def test_fsdp_options_are_checked_at_construction():
 
 
 def test_a_model_without_repeated_blocks_names_the_fix():
-    from cp_lightning.data_parallel import FSDPOptions, check_fsdp_model
+    from cp_lightning.sharding import FSDPOptions, check_fsdp_model
 
     model = torch.nn.Sequential(torch.nn.Linear(2, 2))
     model._cp_plan = {"": {}}
@@ -540,7 +540,7 @@ def test_a_lightning_cli_yaml_sets_the_fsdp_options(tmp_path):
 def test_a_light_checkpoint_may_leave_out_frozen_tensors_but_no_trainable_one(tmp_path):
     import torch.distributed.checkpoint as dcp
 
-    from cp_lightning.data_parallel import check_checkpoint_layout
+    from cp_lightning.sharding import check_checkpoint_layout
 
     model = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.Linear(3, 2))
     model[0].requires_grad_(False)  # the frozen base; model[1] trains

@@ -91,3 +91,15 @@ def test_the_walk_sees_a_circle_through_a_deferred_import(tmp_path):
     assert circles(graph) == [["pkg.a", "pkg.b", "pkg.c", "pkg.a"]]
     (tmp_path / "pkg" / "c.py").write_text("import os\n")
     assert circles(import_graph(tmp_path, ["pkg"])) == []
+
+
+MAX_LINES = 450  # shared/STYLE.md: a reader holds one file in view
+
+
+def test_no_file_in_the_library_is_over_the_length_a_reader_holds():
+    long = {
+        str(path.relative_to(ROOT)): n
+        for path in sorted((ROOT / "cp_lightning").rglob("*.py"))
+        if (n := len(path.read_text().splitlines())) > MAX_LINES
+    }
+    assert not long, f"split these by what they do: {long}"

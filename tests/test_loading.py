@@ -76,7 +76,7 @@ def sharded_load(folder: str, family: str, *, cp: int, hsdp: bool, lora: bool, d
     and every rank reports the bytes it holds."""
     import diffusers
 
-    from cp_lightning import build_mesh, data_parallel, loading
+    from cp_lightning import build_mesh, data_parallel, loading, sharding
 
     cls = diffusers.WanTransformer3DModel if family == "wan" else diffusers.FluxTransformer2DModel
     model = loading.empty_model(cls, folder, dtype=dtype)
@@ -88,13 +88,11 @@ def sharded_load(folder: str, family: str, *, cp: int, hsdp: bool, lora: bool, d
     data_parallel.parallelize_targets(
         model, mesh=mesh, plan=None, ring=1, kernel=None, loss_parallel=False, check_steps=0
     )
-    data_parallel.apply_fsdp(
-        model, mesh=mesh, plan=None, options=data_parallel.FSDPOptions(hsdp=hsdp), loss_parallel=False
-    )
+    sharding.apply_fsdp(model, mesh=mesh, plan=None, options=sharding.FSDPOptions(hsdp=hsdp), loss_parallel=False)
     held_meta = any(p.is_meta for p in model.parameters())
     loading.materialize(model)
     local = sum(p.to_local().numel() for p in model.parameters())
-    state = gathered_state(model) if fp8 else data_parallel.full_state_dict(model)
+    state = gathered_state(model) if fp8 else sharding.full_state_dict(model)
     return {
         "meta_before": held_meta,
         "local_numel": local,
@@ -130,7 +128,7 @@ def fabric_case(folder: str) -> dict | None:
     from diffusers import FluxTransformer2DModel
 
     from cp_lightning import FabricContextParallelStrategy, loading
-    from cp_lightning.data_parallel import full_state_dict
+    from cp_lightning.sharding import full_state_dict
 
     fabric = L.Fabric(accelerator="cpu", devices=4, strategy=FabricContextParallelStrategy(cp=2, fsdp=True))
     fabric.launch()
@@ -146,7 +144,7 @@ def accelerate_case(folder: str) -> dict | None:
 
     from cp_lightning import loading
     from cp_lightning.accelerate import ContextParallel
-    from cp_lightning.data_parallel import full_state_dict
+    from cp_lightning.sharding import full_state_dict
 
     accelerator = Accelerator(cpu=True)
     model = with_lora(loading.empty_model(FluxTransformer2DModel, folder))

@@ -55,7 +55,7 @@ def lightning_case(layout: dict, fsdp: bool, offload: bool) -> dict:
 
 def accelerate_case(layout: dict, fsdp: bool, offload: bool) -> dict:
     from cp_lightning.accelerate import ContextParallel
-    from cp_lightning.data_parallel import full_state_dict
+    from cp_lightning.sharding import full_state_dict
     from tests.test_accelerate import PER_RANK_BATCH, fresh_accelerator, make_task, optimizer, train
 
     accelerator = fresh_accelerator()
