@@ -63,7 +63,7 @@ class LoaderPositions:
         ]
 
     def restore(self, saved: list[dict] | None, path) -> None:
-        if saved is None:
+        if not saved or not self.loaders:  # nothing saved, or a load without loaders (weights only, evaluation)
             return
         if len(saved) != len(self.loaders):
             raise ValueError(

@@ -39,12 +39,11 @@ CASES = [
     ("qwenimage", 2, 2, 15, True, "blocks", 2),
     ("qwenimage", 4, 2, 16, True, "blocks", 0),  # USP: ring 2 x Ulysses 2
     # the whole model with activation checkpointing: the split hook on the first block and the attention
-    # routing run inside the checkpointed region, where the traced body may not mutate Python state
-    ("qwenimage", 2, 1, 16, True, "model", 0),
+    # routing run inside the checkpointed region, where the traced body may not mutate Python state; at
+    # uneven lengths only (the length exchange and the padding inside the region too), the even ones being
+    # covered without checkpointing above
     ("qwenimage", 2, 1, 15, True, "model", 0),
-    ("qwenimage", 2, 2, 16, True, "model", 0),
     ("qwenimage", 2, 2, 15, True, "model", 2),
-    ("qwenimage", 4, 2, 16, True, "model", 0),
     ("qwenimage", 4, 2, 15, True, "model", 2),
     # loss-parallel: no gather ends the split region, so the flag that tells routing it is inside one stays
     # set after the pass; the next pass must not find a graph guarded on a trace's leftover value
