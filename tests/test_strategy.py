@@ -185,23 +185,9 @@ def _world4_cases(rank, world, root):
     case("rng", cp_fit, dict(noise="rng", record_dir=str(root / "rng")), dict(degree=2), steps=2)
     case("resume", _resume_runs, root / "resume")
 
-    def accumulated():
-        trainer = L.Trainer(
-            accelerator="cpu",
-            devices=4,
-            strategy=_external(2),
-            max_steps=3,
-            accumulate_grad_batches=2,
-            logger=False,
-            enable_checkpointing=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
-        )
-        module = module_for(optimizer="sgd")
-        trainer.fit(module, DataLoader(Samples(n=16), batch_size=2, shuffle=True))
-        return {n: p.detach().clone() for n, p in module.named_parameters()}
-
-    case("accumulated", accumulated)
+    # 2 micro-batches of 2 per rank and optimizer step: global batches of 8
+    case("accumulated", cp_fit, dict(optimizer="sgd"), dict(degree=2), steps=3, dataset=Samples(n=16),
+         accumulate_grad_batches=2)  # fmt: skip
     case("bf16", cp_fit, dict(optimizer="sgd"), dict(degree=2), precision="bf16-mixed")
     case("fsdp_nan_gradient", fit, _NanGradientAtStep2(optimizer="sgd"), _external(2, fsdp=True), steps=4)
     case("mismatch", cp_fit, dict(noise="per_rank"), dict(degree=2), steps=2)  # last: it raises
