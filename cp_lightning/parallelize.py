@@ -39,6 +39,18 @@ class ParallelState:
     routes: list = field(default_factory=list)  # routing.Route per routed attention module
 
 
+def _check_entry_loss_parallel(module: nn.Module, plan) -> None:
+    """A library plan whose outputs cannot stay sharded for a reason no engine rule sees (its entry says why)."""
+    from cp_lightning.models import lookup
+
+    entry = lookup(module) if plan is None else None
+    if entry is not None and entry.loss_parallel:
+        raise ValueError(
+            f"loss_parallel cannot be used with {type(module).__name__}: {entry.loss_parallel}. Train it without "
+            "loss_parallel (its outputs are gathered, and exact)."
+        )
+
+
 def parallelize(
     module: nn.Module,
     *,
@@ -95,6 +107,7 @@ def parallelize(
     entries = resolve_plan(module, plan)
     if loss_parallel:
         check_loss_parallel(module, entries)
+        _check_entry_loss_parallel(module, plan)
     found = routing.check_processors(module, cp // ring, unsplit_paths(entries))
 
     if mesh is None:

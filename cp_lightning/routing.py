@@ -17,6 +17,10 @@ Processors come in three kinds:
 * **linear**: a stock linear-attention processor (Sana's, :data:`~cp_lightning.linear_attention.LINEAR_PROCESSORS`)
   is swapped for a :class:`~cp_lightning.linear_attention.LinearAttentionCP` that all-reduces its key sums
   over the CP group inside the split region; :func:`unroute_processors` puts the original back.
+* **stand-in**: a stock processor whose own code cannot run on split tokens but whose attention is one
+  masked SDPA in disguise (Mochi's per-sample unpadding) is swapped for the stand-in its family module
+  registers in :data:`STAND_INS` (``factory(original, attend, runs_cp)``); the stand-in calls
+  ``attend(q, k, v, key_mask)`` (CP attention) inside the split region and the original elsewhere.
 * **anything else** is refused by :func:`check_processors` before any communication, unless the plan
   declares the module :class:`~cp_lightning.plan.Unsplit`.
 
@@ -58,6 +62,7 @@ SDPA_PROCESSORS = {
     "CogVideoXAttnProcessor2_0": "joint",
     "CogView4AttnProcessor": "joint",
     "Lumina2AttnProcessor2_0": "joint",  # self-attention, its keys passed as encoder_hidden_states
+    "HiDreamAttnProcessor": "joint",  # image + text, or the single stream's one sequence
     "AttnProcessor2_0": "self",
     "SanaAttnProcessor2_0": "self",  # Sana's cross-attention to the text
 }
@@ -72,6 +77,10 @@ CROSS_LOCAL_DISPATCH = ("SanaAttnProcessor2_0",)
 # stock processors that call ``dispatch_attention_fn`` with no ``parallel_config`` at all (and whose only
 # cross-token operation is that call); their cross-attention to unsplit text stays local, as for "self"
 BARE_DISPATCH = ("CosmosAttnProcessor2_0",)
+
+# stock processor class name -> factory(original, attend, runs_cp) of its stand-in (see the module doc); the
+# model's family module in cp_lightning/models/ registers it, so the engine knows no model by name
+STAND_INS: dict = {}
 
 
 @dataclass
@@ -151,10 +160,12 @@ def attention_modules(module: nn.Module) -> list[tuple[str, nn.Module]]:
 
 
 def processor_kind(processor) -> str | None:
-    """ "dispatch", the SDPA_PROCESSORS kind, "linear", or None for a processor cp_lightning cannot route."""
+    """ "dispatch", the SDPA_PROCESSORS kind, "linear", "stand-in", or None for a processor we cannot route."""
     module_globals = sys.modules[type(processor).__module__].__dict__
     if type(processor).__name__ in LINEAR_PROCESSORS and type(processor).__module__.startswith("diffusers."):
         return "linear"
+    if type(processor).__name__ in STAND_INS and type(processor).__module__.startswith("diffusers."):
+        return "stand-in"
     bare = type(processor).__name__ in BARE_DISPATCH and type(processor).__module__.startswith("diffusers.")
     if (hasattr(processor, "_parallel_config") or bare) and "dispatch_attention_fn" in module_globals:
         return "dispatch"
@@ -271,6 +282,15 @@ class _RoutedFunctional:
         return out.transpose(1, 2)
 
 
+def _attend(query, key, value, attn_mask=None):
+    """A stand-in's attention: (B, S_local, H, D) tensors over the CP group of the running routed module."""
+    route, _ = _active()
+    return route.config(
+        query, key, value, attn_mask=attn_mask, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False,
+        where=route.name,
+    )  # fmt: skip
+
+
 def _has_encoder_states(module: nn.Module, args, kwargs) -> bool:
     if "encoder_hidden_states" in kwargs:
         return kwargs["encoder_hidden_states"] is not None
@@ -299,13 +319,15 @@ def route_processors(
                 module_globals["dispatch_attention_fn"] = _routed_dispatch(dispatch)
             if not bare:
                 processor._parallel_config = config
-        elif kind != "linear" and not isinstance(module_globals["F"], _RoutedFunctional):
+        elif kind not in ("linear", "stand-in") and not isinstance(module_globals["F"], _RoutedFunctional):
             module_globals["F"] = _RoutedFunctional(module_globals["F"])
         cross_local = kind == "self" or bare or type(processor).__name__ in CROSS_LOCAL_DISPATCH
         route = Route(name, kind, config, cross_local=cross_local, bare=bare)
         _ROUTES[route.key] = route
         if kind == "linear":
             sub.processor = LinearAttentionCP(processor, config.groups.cp, lambda: _active()[1])
+        elif kind == "stand-in":
+            sub.processor = STAND_INS[type(processor).__name__](processor, _attend, lambda: _active()[1])
 
         def enter(module, args, kwargs, route=route):
             record = None if state is None else state.record
@@ -334,7 +356,7 @@ def unroute_processors(found: list[tuple[str, nn.Module]], routes: list[Route] =
     for route in routes:
         _ROUTES.pop(route.key, None)
     for _, sub in found:
-        if isinstance(sub.processor, LinearAttentionCP):
+        if isinstance(sub.processor, LinearAttentionCP) or getattr(sub.processor, "stand_in", False):
             sub.processor = sub.processor.original
         # Drop the instance attribute so the class default (None: no CP) shows through again.
         sub.processor.__dict__.pop("_parallel_config", None)

@@ -35,13 +35,15 @@ class PlanEntry:
     ``plan``: a plan dict, :data:`DIFFUSERS` (the class's own ``_cp_plan``), or a function of the model's
     config returning a plan (for plans that name the last block, whose index depends on the config).
     ``refuse``: a function of the model returning why it cannot be exact (a ValueError is raised with
-    it), or None when it can; a plan of None with a refusal refuses every instance.
+    it), or None when it can; a plan of None with a refusal refuses every instance. ``loss_parallel``:
+    why the plan's outputs cannot stay sharded, when a rule of the engine cannot see it (refused then).
     """
 
     cls: str
     plan: Mapping | str | Callable | None
     refuse: Callable[[nn.Module], str | None] | None = None
     needs: str = ""  # engine feature the plan relies on, for docs/models.md
+    loss_parallel: str = ""  # why ``loss_parallel=True`` cannot work with this plan ("": it can)
 
     def resolve(self, model: nn.Module) -> Mapping:
         reason = self.refuse(model) if self.refuse is not None else None
@@ -119,7 +121,7 @@ def plan_for(module: nn.Module) -> Mapping:
 # one module per model family; each registers its entries when imported
 FAMILIES = (
     *("wan", "flux", "chroma", "qwenimage", "zimage", "minimax"),
-    *("hunyuan", "sd3", "kandinsky", "ltx", "helios", "sana", "cogview", "lumina", "cosmos", "refused"),
+    *("hunyuan", "sd3", "kandinsky", "ltx", "helios", "sana", "cogview", "lumina", "cosmos", "mochi", "hidream"),
 )
 
 
