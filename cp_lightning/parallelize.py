@@ -116,7 +116,6 @@ def parallelize(
     check = ConsistencyCheck(groups.cp, check_steps) if check_steps else None
     state = SplitState(groups.cp, check)  # written by the split hooks, read by the gathers and the attention
     handles = apply_plan(entries, groups.cp, check=check, gather=not loss_parallel, state=state, root=module)
-    handles.append(module.register_forward_pre_hook(lambda _mod, _args: state.start_forward(), prepend=True))
     if check is not None:
         handles.append(module.register_forward_pre_hook(lambda mod, _args: check.on_forward(mod), prepend=True))
     routes = routing.route_processors(found, attention.ContextParallelAttention(groups, kernel, state), state)

@@ -1,10 +1,14 @@
 """The split table: every CP rank's shard lengths in the current forward pass, known without communicating.
 
-The split hooks (plan.py) record each split's lengths here; gathers and attention look them up instead of
-exchanging them. The table (and the routing state in routing.py) is host-side bookkeeping that also runs
-while torch.compile traces, inside activation-checkpointed regions too: it is written and read through
-``torch._dynamo.assume_constant_result`` functions keyed by plain integers, and side-effect custom ops
-repeat the writes at run time for frames compiled separately (see :class:`SplitState`).
+The plan's hooks (plan/hooks.py) report each forward pass's events here, one call each: the pass starts
+(``start_pass``), a tensor is split (``split``: every rank's length recorded), a tensor is gathered
+(``gather``: the ranks' lengths looked up), the pass ends (``end_pass``). Gathers and attention look the
+lengths up instead of exchanging them.
+
+The table (and the routing state in routing.py) is host-side bookkeeping that also runs while torch.compile
+traces, inside activation-checkpointed regions too: it is written and read through
+``torch._dynamo.assume_constant_result`` functions keyed by plain integers, and side-effect custom ops repeat
+the writes at run time for frames compiled separately (see :class:`SplitState`).
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ from torch._guards import TracingContext
 from torch.fx.node import has_side_effect
 
 from cp_lightning import collectives
-from cp_lightning.gradients import ForwardRecord
+from cp_lightning.gradients import ForwardRecord, finish_forward
 
 # SplitStates by a plain integer key, for the table functions below (see SplitState)
 _STATES: weakref.WeakValueDictionary[int, SplitState] = weakref.WeakValueDictionary()
@@ -232,11 +236,29 @@ class SplitState:
         if torch.compiler.is_compiling():
             split_state_sharded(self.key, bool(value))  # at run time too, for frames compiled separately
 
-    def begin_forward(self, loss_parallel: bool) -> None:
+    # ---- the events of a forward pass, as the plan's hooks report them (plan/hooks.py): one call each
+
+    def start_pass(self, loss_parallel: bool) -> None:
+        """The parallelized module's forward begins: an empty table, a new gradient record, no split yet."""
+        self.start_forward()
         self.record = ForwardRecord(loss_parallel)
         self.set_sharded(False)
 
-    def _note_split(self, where: str) -> None:
+    def split(
+        self, where: str, size: int | list[int], *, arg: str | None = None, opens: bool = True, whole: bool = False
+    ) -> None:
+        """``where`` is about to split ``size`` tokens over the CP ranks (a list: the full sizes of a joint
+        tensor's segments, each split apart); record every rank's length.
+
+        ``arg``: the forward argument split (its full length is kept for JointInputs that name it).
+        ``opens``: the split starts the split region, where attention runs over the CP group; not for
+        position tables (RoPE) that a parameter-free module returns. ``whole``: a (B, S, ...) tensor the
+        split point passes on unsplit (see ``record_whole``). A split after a gather that loss-parallel
+        left sharded is refused here, before the tensor is split.
+        """
+        if whole:
+            self.record_whole(where, size)
+            return
         record = self.record
         if record is not None and not record.closed:
             if record.skipped is not None:
@@ -245,7 +267,28 @@ class SplitState:
                     "sharded (it looked like the last gather from the model's module order). Train this plan "
                     "without loss_parallel, or gather once, after the last split."
                 )
-            self.set_sharded(True)
+            if opens:
+                self.set_sharded(True)
+        if isinstance(size, list):  # each rank holds its share of every segment
+            per_segment = [collectives.chunk_sizes(part, self.world) for part in size]
+            self.record_sizes(where, [sum(column) for column in zip(*per_segment, strict=True)])
+            return
+        if arg is not None and self.joint:  # only JointInput plans read the full lengths
+            self.record_length(arg, size)
+        self.record_split(where, size)
+
+    def gather(self, where: str, x: torch.Tensor, dim: int, *, closes: bool = True) -> list[int] | None:
+        """``where`` is about to gather ``x`` along ``dim``: every rank's length of it (None when every split
+        of the pass was even). ``closes``: the gather ends the split region (not when loss-parallel leaves
+        it sharded)."""
+        lengths = None if self.even else self.lengths_of(x, dim, where)
+        if closes:
+            self.set_sharded(False)
+        return lengths
+
+    def end_pass(self, outputs):
+        """The parallelized module's forward returns ``outputs``: its gradient rule is fixed (gradients.py)."""
+        return finish_forward(outputs, self.record, self.world)
 
 
 @torch._dynamo.assume_constant_result

@@ -1,5 +1,6 @@
 """The hooks a resolved plan installs: split before a module (inputs) or after it (outputs), gather after it; each
-hook is one function here, calling the split state (cp_lightning.split_table) and the collectives."""
+hook is one function here. A hook tells the split state (cp_lightning.split_table.SplitState) of its event in one
+call (``start_pass``, ``split``, ``gather``, ``end_pass``), then moves the tensors (cp_lightning.collectives)."""
 
 from __future__ import annotations
 
@@ -13,12 +14,14 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from cp_lightning import collectives
-from cp_lightning.gradients import ScaleGrad, finish_forward
+from cp_lightning.gradients import ScaleGrad
 from cp_lightning.plan.resolve import JointInput, PerTokenInput, ResolvedEntry, Unsplit
 from cp_lightning.split_table import SplitState
 
 
-def _split(x: torch.Tensor, spec: ContextParallelInput, group, where: str, check=None, state=None) -> torch.Tensor:
+def _split(
+    x: torch.Tensor, spec: ContextParallelInput, group, where: str, check=None, state=None, arg=None, opens=True
+) -> torch.Tensor:
     if x.dim() <= spec.split_dim:
         # The entry does not apply to this form of the input, e.g. Wan's plan splits a per-token
         # timestep (B, S) and is handed a per-sample one (B,): there is no sequence to split.
@@ -29,7 +32,7 @@ def _split(x: torch.Tensor, spec: ContextParallelInput, group, where: str, check
             f"{tuple(x.shape)}. Pass inputs in the layout the model documents, or fix expected_dims in the plan."
         )
     if state is not None:
-        state._note_split(where)
+        state.split(where, x.shape[spec.split_dim], arg=arg, opens=opens)
         group = state.group  # the current CP group (dynamic CP rebinds it between steps: cp_lightning.dynamic)
     try:
         local = collectives.shard(x, spec.split_dim, group)
@@ -37,22 +40,20 @@ def _split(x: torch.Tensor, spec: ContextParallelInput, group, where: str, check
         raise ValueError(f"{where}: {err}") from None
     if check is not None:  # after the local validation above: a user mistake never reaches a collective
         check(where, x)
-    if state is not None:
-        state.record_split(where, x.shape[spec.split_dim])
     return local
 
 
-def _split_value(value, spec, group, where: str, check=None, state=None):
+def _split_value(value, spec, group, where: str, check=None, state=None, arg=None, opens=True):
     if isinstance(value, torch.Tensor):
         if isinstance(spec, (list, tuple)):
             raise TypeError(f"{where}: the plan has a list of {len(spec)} specs but the value is a single tensor.")
-        return _split(value, spec, group, where, check, state)
+        return _split(value, spec, group, where, check, state, arg, opens)
     if isinstance(value, (list, tuple)):
         specs = spec if isinstance(spec, (list, tuple)) else [spec] * len(value)
         if len(specs) != len(value):
             raise ValueError(f"{where}: the plan has {len(specs)} specs for a sequence of {len(value)} values.")
         out = [
-            _split(v, s, group, f"{where}[{i}]", check, state) if isinstance(v, torch.Tensor) else v
+            _split(v, s, group, f"{where}[{i}]", check, state, opens=opens) if isinstance(v, torch.Tensor) else v
             for i, (v, s) in enumerate(zip(value, specs, strict=True))
         ]
         return type(value)(out)
@@ -73,21 +74,18 @@ def _split_inputs_hook(name: str, spec: Mapping, group, module: nn.Module, check
         if isinstance(arg_spec, PerTokenInput) and isinstance(value, torch.Tensor):
             if value.dim() < arg_spec.expected_dims:
                 return value  # the per-sample form: nothing to split
-        joint = state is not None and state.joint  # only JointInput plans read the full lengths
-        if joint and isinstance(value, torch.Tensor) and value.dim() > arg_spec.split_dim:
-            state.record_length(arg, value.shape[arg_spec.split_dim])
-        return _split_value(value, arg_spec, group, where, check, state)
+        return _split_value(value, arg_spec, group, where, check, state, arg)
 
-    def record_whole(args, kwargs):
+    def pass_whole(args, kwargs):
         # (B, S, ...) tensors the hook leaves whole: see SplitState.record_whole
         named = {**dict(zip(params, args, strict=False)), **kwargs}
         for arg, value in named.items():
             if arg not in by_name and isinstance(value, torch.Tensor) and value.dim() >= 3:
-                state.record_whole(f"{name or '<root>'}({arg})", value.shape[1])
+                state.split(f"{name or '<root>'}({arg})", value.shape[1], whole=True)
 
     def hook(_module, args, kwargs):
         if state is not None:
-            record_whole(args, kwargs)
+            pass_whole(args, kwargs)
         args = list(args)
         for arg in order:
             if arg in kwargs:
@@ -108,7 +106,7 @@ def _split_joint(x, spec: JointInput, group, where: str, check=None, state=None)
         raise TypeError(f"{where}: a JointInput splits one tensor, got a {type(x).__name__}.")
     if spec.expected_dims is not None and x.dim() != spec.expected_dims:
         raise ValueError(f"{where}: expected a {spec.expected_dims}-d tensor, got shape {tuple(x.shape)}.")
-    lengths = {} if state is None else {seg: state.full_length(seg) for seg in spec.segments}
+    lengths = {} if state is None else {seg: state.full_length(seg) for seg in spec.segments}  # recorded by split
     missing = [seg for seg in spec.segments if lengths.get(seg) is None]
     if missing:
         raise ValueError(
@@ -122,14 +120,10 @@ def _split_joint(x, spec: JointInput, group, where: str, check=None, state=None)
             f"{dict(zip(spec.segments, sizes, strict=True))} add up to {sum(sizes)}."
         )
     if state is not None:
-        state._note_split(where)
+        state.split(where, sizes)
         group = state.group
     if check is not None:
         check(where, x)
-    world = dist.get_world_size(group)
-    if state is not None:  # each rank holds its share of every segment
-        per_segment = [collectives.chunk_sizes(size, world) for size in sizes]
-        state.record_sizes(where, [sum(column) for column in zip(*per_segment, strict=True)])
     return torch.cat(
         [collectives.shard(part, spec.split_dim, group) for part in x.split(sizes, spec.split_dim)], spec.split_dim
     )
@@ -141,17 +135,16 @@ def _split_outputs_hook(name: str, spec: Mapping, group, state=None) -> Callable
     def hook(module, _args, output):
         single = isinstance(output, torch.Tensor)
         items = [output] if single else list(output)
-        sharded = None if state is None else state.sharded
+        # a parameter-free module's outputs are position tables (RoPE), not tokens: attention that runs next
+        # (HunyuanVideo's text refiner, after its rope) is still outside the split region
+        opens = next(module.parameters(), None) is not None
         for index, item_spec in by_index.items():
             if index >= len(items):
                 raise ValueError(
                     f"{name}: the plan splits output {index}, but the module returned {len(items)} outputs."
                 )
-            items[index] = _split_value(items[index], item_spec, group, f"{name}->output[{index}]", state=state)
-        if state is not None and next(module.parameters(), None) is None:
-            # a parameter-free module's outputs are position tables (RoPE), not tokens: attention that runs
-            # next (HunyuanVideo's text refiner, after its rope) is still outside the split region
-            state.set_sharded(sharded)
+            where = f"{name}->output[{index}]"
+            items[index] = _split_value(items[index], item_spec, group, where, state=state, opens=opens)
         return items[0] if single else type(output)(items)
 
     return hook
@@ -184,7 +177,7 @@ def _gather_hook(name: str, spec, group, state: SplitState, gather: bool) -> Cal
                     f"{name}->output[{i}]: expected a {out_spec.expected_dims}-d tensor to gather along dim "
                     f"{out_spec.gather_dim}, got shape {tuple(x.shape)}."
                 )
-            lengths = None if state.even else state.lengths_of(x, out_spec.gather_dim, f"{name}->output[{i}]")
+            lengths = state.gather(f"{name}->output[{i}]", x, out_spec.gather_dim, closes=gather)
             if gather:
                 items[i] = collectives.gather(x, out_spec.gather_dim, state.group, record=state.record, lengths=lengths)
                 continue
@@ -196,8 +189,6 @@ def _gather_hook(name: str, spec, group, state: SplitState, gather: bool) -> Cal
                 items[i] = ScaleGrad.apply(x, weight) if weight != 1.0 else x
             elif not record.closed:
                 record.note_skipped(name, weight)
-        if gather:
-            state.set_sharded(False)
         return items[0] if single else type(output)(items)
 
     return hook
@@ -242,8 +233,8 @@ def apply_plan(
                 hook = _gather_hook(name, entry.spec, group, state, gather or not entry.terminal)
                 handles.append(sub.register_forward_hook(hook))
     if root is not None:
-        handles.append(root.register_forward_pre_hook(lambda *_: state.begin_forward(not gather), prepend=True))
-        handles.append(root.register_forward_hook(lambda _m, _a, out: finish_forward(out, state.record, state.world)))
+        handles.append(root.register_forward_pre_hook(lambda *_: state.start_pass(not gather), prepend=True))
+        handles.append(root.register_forward_hook(lambda _m, _a, out: state.end_pass(out)))
     return handles
 
 

@@ -177,7 +177,7 @@ def _mark_terminal(root: nn.Module, entries: list[ResolvedEntry]) -> list[Resolv
 
     A module's pre-hook runs at its start and its output hooks at its end, after its children; the
     root's split comes first and its gather last. diffusers registers a model's modules in the order
-    its forward runs them (the prediction is checked at run time, see ``_note_split``).
+    its forward runs them (the prediction is checked at run time, see ``SplitState.split``).
     """
     order = {id(sub): i for i, (_, sub) in enumerate(root.named_modules(remove_duplicate=False))}
     end = {id(sub): max(order[id(m)] for m in sub.modules()) for sub in root.modules()}
