@@ -1,6 +1,6 @@
 """Convert a LoRA file between the diffusers format and ComfyUI's.
 
-    python -m recipes.convert_lora IN OUT --to comfyui|diffusers [--family flux|wan]
+    python -m recipes.convert_lora IN OUT --to comfyui|diffusers [--family flux|wan|hunyuan]
 
 IN is a ``.safetensors`` file (or a folder holding one, as the recipes write them); OUT is a folder (the
 file gets the format's usual name) or a ``.safetensors`` path. The family comes from the file's training
@@ -43,9 +43,9 @@ def convert(source: str | Path, out: str | Path, to: str, family: str | None = N
     state, meta = lora.read(_input_file(Path(source)))
     family = meta.get("cp_lightning.family") or family
     if family is None:
-        raise ValueError("the file has no cp_lightning.family metadata: pass --family flux or --family wan.")
+        raise ValueError("the file has no cp_lightning.family metadata: pass --family flux, wan or hunyuan.")
     config = json.loads(meta.get("cp_lightning.transformer_config", "{}"))
-    dims = lora.fused_dims(config) if family == "flux" and config else None
+    dims = lora.fused_dims(config) if family in ("flux", "hunyuan") and config else None
     current = detect(state)
     if current == "comfyui":
         state = lora.to_diffusers(state, family, dims)  # everything goes through the diffusers names
@@ -62,7 +62,7 @@ def main(argv=None) -> None:
     p.add_argument("source", help="LoRA file (or the folder holding it)")
     p.add_argument("out", help="output folder or .safetensors file")
     p.add_argument("--to", required=True, choices=lora.CONVERTIBLE)
-    p.add_argument("--family", choices=("flux", "wan"), help="model family, if the file carries no metadata")
+    p.add_argument("--family", choices=lora.COMFYUI_FAMILIES, help="model family, if the file carries no metadata")
     args = p.parse_args(argv)
     try:
         written = convert(args.source, args.out, args.to, args.family)

@@ -32,7 +32,7 @@ CONVERTIBLE = ("diffusers", "comfyui")  # what recipes.convert_lora converts bet
 # Flux's fused qkv / linear1 layers can take a stacked LoRA exactly but neither a DoRA (one norm per fused row
 # over all members' updates) nor a Kronecker product. peft's format (load_peft) holds every variant.
 VARIANT_FORMATS = {"lora": ("diffusers", "comfyui", "peft"), "dora": ("diffusers", "peft"), "lokr": ("peft",)}
-COMFYUI_FAMILIES = ("flux", "wan")  # families with a ComfyUI layout below
+COMFYUI_FAMILIES = ("flux", "wan", "hunyuan")  # families with a ComfyUI layout below
 BASE_MODEL_VERSIONS = {"flux": "flux1", "wan": "wan", "hunyuan": "hunyuan_video"}  # kohya's ss_base_model_version
 
 # Flux: diffusers module (under a block) -> (original layer, member index, members of the fused layer)
@@ -66,6 +66,35 @@ _FLUX_BLOCKS = {
 }
 # Flux modules outside the blocks -> kohya layer names
 _FLUX_TOP = {"proj_out": "final_layer_linear", "x_embedder": "img_in", "context_embedder": "txt_in"}
+# HunyuanVideo: the original checkpoint's layer names as musubi-tuner writes them (kohya's lora_unet_ keys,
+# which ComfyUI reads): Flux's double/single layout, its MLPs named fc1/fc2, and the text token refiner
+_HUNYUAN_DOUBLE = {
+    **{k: v for k, v in _FLUX_DOUBLE.items() if "mlp" not in v[0] and "mod" not in v[0]},
+    "ff.net.0.proj": ("img_mlp_fc1", 0, 1),
+    "ff.net.2": ("img_mlp_fc2", 0, 1),
+    "ff_context.net.0.proj": ("txt_mlp_fc1", 0, 1),
+    "ff_context.net.2": ("txt_mlp_fc2", 0, 1),
+    "norm1.linear": ("img_mod_linear", 0, 1),
+    "norm1_context.linear": ("txt_mod_linear", 0, 1),
+}
+_HUNYUAN_SINGLE = {**_FLUX_SINGLE, "norm.linear": ("modulation_linear", 0, 1)}
+_HUNYUAN_REFINER = {
+    "attn.to_q": ("self_attn_qkv", 0, 3),
+    "attn.to_k": ("self_attn_qkv", 1, 3),
+    "attn.to_v": ("self_attn_qkv", 2, 3),
+    "attn.to_out.0": ("self_attn_proj", 0, 1),
+    "ff.net.0.proj": ("mlp_fc1", 0, 1),
+    "ff.net.2": ("mlp_fc2", 0, 1),
+    "norm_out.linear": ("adaLN_modulation_1", 0, 1),
+}
+_HUNYUAN_BLOCKS = {
+    "transformer_blocks": ("double_blocks", _HUNYUAN_DOUBLE),
+    "single_transformer_blocks": ("single_blocks", _HUNYUAN_SINGLE),
+    "context_embedder.token_refiner.refiner_blocks": ("txt_in_individual_token_refiner_blocks", _HUNYUAN_REFINER),
+}
+_HUNYUAN_TOP = {"proj_out": "final_layer_linear", "context_embedder.proj_in": "txt_in_input_embedder"}
+# families in kohya's layout (lora_unet_<layer>, fused layers stacked): their block lists and top-level modules
+_KOHYA = {"flux": (_FLUX_BLOCKS, _FLUX_TOP), "hunyuan": (_HUNYUAN_BLOCKS, _HUNYUAN_TOP)}
 # Wan: diffusers module -> original module
 _WAN = {
     "attn1.to_q": "self_attn.q",
@@ -104,8 +133,8 @@ def _unsupported(family: str, module: str) -> ValueError:
 
 def to_comfyui(state: dict[str, torch.Tensor], family: str, fused_dims: dict[str, list[int]] | None = None):
     """diffusers LoRA -> ComfyUI's names for ``family``. ``fused_dims`` gives the output sizes of the members
-    of Flux's fused layers ({"qkv": [d, d, d], "linear1": [d, d, d, mlp]}); needed only for members without
-    a LoRA."""
+    of the fused layers of Flux and HunyuanVideo ({"qkv": [d, d, d], "linear1": [d, d, d, mlp]}); needed only
+    for members without a LoRA."""
     modules = _modules(state)
     out: dict[str, torch.Tensor] = {}
     if family == "wan":
@@ -118,21 +147,22 @@ def to_comfyui(state: dict[str, torch.Tensor], family: str, fused_dims: dict[str
             out[f"{base}.lora_A.weight"], out[f"{base}.lora_B.weight"] = ab["A"], ab["B"]
             out[f"{base}.alpha"] = torch.tensor(float(ab["A"].shape[0]))
         return out
-    if family != "flux":
+    if family not in _KOHYA:
         raise ValueError(f"no ComfyUI format for family {family!r}; use the diffusers format.")
+    blocks, top = _KOHYA[family]
     fused: dict[str, dict[int, dict[str, torch.Tensor]]] = {}
     sizes: dict[str, int] = {}
     for module, ab in modules.items():
-        if module in _FLUX_TOP:
-            target = f"lora_unet_{_FLUX_TOP[module]}"
+        if module in top:
+            target = f"lora_unet_{top[module]}"
             out[f"{target}.lora_down.weight"], out[f"{target}.lora_up.weight"] = ab["A"], ab["B"]
             out[f"{target}.alpha"] = torch.tensor(float(ab["A"].shape[0]))
             continue
-        block, _, rest = module.partition(".")
-        index, _, name = rest.partition(".")
-        if block not in _FLUX_BLOCKS or name not in _FLUX_BLOCKS[block][1]:
+        block = next((b for b in blocks if module.startswith(b + ".")), None)
+        index, _, name = module.removeprefix(f"{block}.").partition(".")
+        if block is None or not index.isdigit() or name not in blocks[block][1]:
             raise _unsupported(family, module)
-        prefix, table = _FLUX_BLOCKS[block]
+        prefix, table = blocks[block]
         layer, member, n = table[name]
         target = f"lora_unet_{prefix}_{index}_{layer}"
         fused.setdefault(target, {})[member] = ab
@@ -180,13 +210,15 @@ def to_diffusers(state: dict[str, torch.Tensor], family: str, dims: dict[str, li
             weight = value * scale if match[3] == "lora_B.weight" else value  # alpha / rank folded into B
             out[f"transformer.blocks.{match[1]}.{reverse[match[2]]}.{match[3]}"] = weight.contiguous()
         return out
-    if family != "flux":
+    if family not in _KOHYA:
         raise ValueError(f"no ComfyUI format for family {family!r}.")
+    blocks, top_modules = _KOHYA[family]
     reverse: dict[tuple[str, str], dict[int, tuple[str, str]]] = {}
-    for block, (prefix, table) in _FLUX_BLOCKS.items():
+    for block, (prefix, table) in blocks.items():
         for name, (layer, member, _) in table.items():
             reverse.setdefault((prefix, layer), {})[member] = (block, name)
-    top = {f"lora_unet_{v}": k for k, v in _FLUX_TOP.items()}
+    top = {f"lora_unet_{v}": k for k, v in top_modules.items()}
+    prefixes = "|".join(re.escape(prefix) for prefix, _ in blocks.values())
     for key in state:
         base = key.rsplit(".", 2)[0] if key.endswith(".weight") else key.rsplit(".", 1)[0]
         if base in top:
@@ -196,10 +228,10 @@ def to_diffusers(state: dict[str, torch.Tensor], family: str, dims: dict[str, li
                 out[f"transformer.{top[base]}.lora_A.weight"] = down.contiguous()
                 out[f"transformer.{top[base]}.lora_B.weight"] = up.contiguous()
             continue
-        match = re.match(r"^lora_unet_(double_blocks|single_blocks)_(\d+)_(.+)\.lora_down\.weight$", key)
+        match = re.match(rf"^lora_unet_({prefixes})_(\d+)_(.+)\.lora_down\.weight$", key)
         if match is None:
             if not key.endswith((".lora_up.weight", ".alpha")):
-                raise ValueError(f"{key!r} is not a ComfyUI (kohya) Flux LoRA key this converter knows.")
+                raise ValueError(f"{key!r} is not a ComfyUI (kohya) {family} LoRA key this converter knows.")
             continue
         prefix, index, layer = match[1], match[2], match[3]
         if (prefix, layer) not in reverse:
@@ -283,7 +315,7 @@ def metadata(pl_module, *, step: int, epoch: int, ema: bool, fmt: str) -> dict[s
 
 
 def fused_dims(config: dict) -> dict[str, list[int]]:
-    """Output sizes of the members of Flux's fused layers, from the transformer's config."""
+    """Output sizes of the members of the fused layers (Flux, HunyuanVideo), from the transformer's config."""
     inner = config["num_attention_heads"] * config["attention_head_dim"]
     return {"qkv": [inner] * 3, "linear1": [inner] * 3 + [int(inner * config.get("mlp_ratio", 4.0))]}
 
@@ -301,7 +333,7 @@ def save(
     directory.mkdir(parents=True, exist_ok=True)
     if fmt == "comfyui":
         config = json.loads(meta.get("cp_lightning.transformer_config", "{}"))
-        state = to_comfyui(state, family, fused_dims(config) if family == "flux" and config else None)
+        state = to_comfyui(state, family, fused_dims(config) if family in _KOHYA and config else None)
     if fmt == "peft":
         if peft_config is None:
             raise ValueError("the peft format needs the adapter's peft config (peft_config=...).")

@@ -37,7 +37,10 @@ class Samples(L.Callback):
         num_inference_steps: denoising steps.
         guidance_scale: classifier-free guidance for Wan (default 5.0); the distilled guidance value of Flux
             (3.5) and HunyuanVideo (6.0).
-        negative_prompt: Wan's negative prompt for classifier-free guidance.
+        negative_prompt: the negative prompt of classifier-free guidance (Wan; HunyuanVideo with
+            ``true_cfg_scale``).
+        true_cfg_scale: HunyuanVideo's classifier-free guidance against ``negative_prompt`` (two transformer
+            passes per step), on above 1.0; its distilled guidance stays ``guidance_scale``.
         max_sequence_length: text tokens per prompt.
         seed: seed of the first prompt.
         fps: frame rate of the video files.
@@ -60,6 +63,7 @@ class Samples(L.Callback):
         num_inference_steps: int = 8,
         guidance_scale: float | None = None,
         negative_prompt: str = "",
+        true_cfg_scale: float = 1.0,
         max_sequence_length: int = 32,
         seed: int = 0,
         fps: int = 8,
@@ -67,6 +71,16 @@ class Samples(L.Callback):
     ):
         if every_n_steps < 0:
             raise ValueError(f"every_n_steps must be >= 0 (0: only at step 0 and at the end), got {every_n_steps}.")
+        if not true_cfg_scale >= 1.0:
+            raise ValueError(
+                f"samples.true_cfg_scale must be >= 1.0 (1.0: no classifier-free guidance), got {true_cfg_scale}."
+            )
+        if true_cfg_scale != 1.0 and self.family != "hunyuan":
+            raise ValueError(
+                f"samples.true_cfg_scale is HunyuanVideo's; the {self.family} samples take guidance_scale "
+                "(Wan: classifier-free guidance with negative_prompt; Flux: distilled guidance)."
+            )
+        self.true_cfg = true_cfg_scale
         self.out_dir = Path(out_dir)
         self.every_n_steps = every_n_steps
         self.prompts = prompts or ["a red circle", "a blue square", "a green triangle", "a yellow circle"]
@@ -251,12 +265,18 @@ class SampleHunyuan(VideoSamples):
     def encode(self, pipeline, prompt):
         from recipes.components import hunyuan_prompt_template
 
+        template = hunyuan_prompt_template(pipeline.tokenizer)
         embeds, pooled, mask = pipeline.encode_prompt(
-            prompt,
-            prompt_template=hunyuan_prompt_template(pipeline.tokenizer),
-            max_sequence_length=self.max_sequence_length,
+            prompt, prompt_template=template, max_sequence_length=self.max_sequence_length
         )
-        return {"prompt_embeds": embeds, "pooled_prompt_embeds": pooled, "prompt_attention_mask": mask}
+        out = {"prompt_embeds": embeds, "pooled_prompt_embeds": pooled, "prompt_attention_mask": mask}
+        if self.true_cfg > 1.0:  # classifier-free guidance against the negative prompt ("" is unconditional)
+            negative = pipeline.encode_prompt(
+                self.negative_prompt, prompt_template=template, max_sequence_length=self.max_sequence_length
+            )
+            names = ("negative_prompt_embeds", "negative_pooled_prompt_embeds", "negative_prompt_attention_mask")
+            out.update(zip(names, negative, strict=True), true_cfg_scale=self.true_cfg)
+        return out
 
 
 SAMPLERS = {"flux": SampleFlux, "wan": SampleWan, "hunyuan": SampleHunyuan}

@@ -1,5 +1,6 @@
 """The HunyuanVideo recipe (tiny model, cp=2): it trains, renders samples with CP at steps 0, 2 and 4, resumes
-exactly from a light checkpoint, trains like one process, and its LoRA export is what it sampled with; bad input.
+exactly from a light checkpoint, trains like one process, and its LoRA export is what it sampled with (in the
+diffusers format and in ComfyUI's); bad input.
 
 Its CP-rendered sample is compared with the one-process sample (1e-5) in tests/test_recipe_training.py, in
 that file's spawned group.
@@ -11,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.test_recipes import ROOT, losses, run_recipe
+from tests.test_recipes import losses, run_recipe
 
 ARGS = ("--trainer.max_steps=4", "--samples.every_n_steps=2", "--samples.num_inference_steps=2")
 
@@ -71,6 +72,32 @@ def test_the_exported_lora_loads_and_renders_the_step4_sample(runs):
         assert np.abs(cell - (np.clip(frame, 0, 1) * 255).round().astype(int)).max() <= 1, f
 
 
+def test_the_comfyui_layout_holds_the_same_lora_under_the_original_layer_names(runs, tmp_path):
+    """The trained LoRA converted to ComfyUI's layout (musubi-tuner's keys: kohya's lora_unet_ with HunyuanVideo's
+    original layer names, q/k/v stacked into the fused qkv and linear1 layers) and back renders what the diffusers
+    export renders."""
+    from diffusers import HunyuanVideoPipeline
+
+    from recipes import lora
+    from recipes.convert_lora import convert
+
+    comfy = convert(runs["straight"] / "lora", tmp_path / "comfy", "comfyui")
+    state, meta = lora.read(comfy)
+    assert meta["cp_lightning.family"] == "hunyuan" and meta["ss_base_model_version"] == "hunyuan_video"
+    layers = {key.split(".")[0] for key in state}
+    for layer in ("double_blocks_0_img_attn_qkv", "double_blocks_0_txt_attn_proj", "single_blocks_0_linear1"):
+        assert f"lora_unet_{layer}" in layers, sorted(layers)
+    assert "lora_unet_txt_in_individual_token_refiner_blocks_0_self_attn_qkv" in layers  # the text token refiner
+    back = convert(comfy, tmp_path / "back", "diffusers")
+    pipe = HunyuanVideoPipeline.from_pretrained(str(runs["tmp"] / "cache" / "tiny_hunyuan_pipeline"))
+    pipe.set_progress_bar_config(disable=True)
+    pipe.load_lora_weights(str(runs["straight"] / "lora"), adapter_name="exported")
+    exported = _render(pipe)
+    pipe.delete_adapters("exported")
+    pipe.load_lora_weights(str(back.parent), adapter_name="round_trip")
+    np.testing.assert_allclose(_render(pipe), exported, atol=1e-5)
+
+
 def test_resume_from_a_light_checkpoint_is_exact(runs):
     from recipes import lora
 
@@ -106,8 +133,8 @@ def test_the_prompt_template_keeps_the_caption(runs):
 
 def test_bad_input_is_a_clear_error(runs):
     from recipes.data import HunyuanData
-    from recipes.finetune import cli
     from recipes.hunyuan import HunyuanFineTune
+    from recipes.sampling import SampleFlux, SampleHunyuan
 
     tmp = runs["tmp"]
     data = {"data_dir": str(tmp / "data" / "moving_shapes_5f"), "cache_dir": str(tmp / "cache")}
@@ -117,8 +144,7 @@ def test_bad_input_is_a_clear_error(runs):
         HunyuanData(**data, resolution=30).plan()
     with pytest.raises(ValueError, match="guidance_scale must be > 0"):
         HunyuanFineTune(guidance_scale=0.0)
-    # no ComfyUI layout for HunyuanVideo: refused before any process starts, not after training
-    config = ROOT / "configs" / "tiny_hunyuan_cp2.yaml"
-    with pytest.raises(ValueError, match="export.format=comfyui: there is no ComfyUI LoRA layout for the hunyuan"):
-        out = ["--out_dir", str(tmp / "bad"), "--trainer.default_root_dir", str(tmp / "bad"), "--trainer.logger=false"]
-        cli(HunyuanFineTune, HunyuanData, ["fit", "--config", str(config), *out, "--export.format=comfyui"])
+    with pytest.raises(ValueError, match=r"true_cfg_scale must be >= 1.0 \(1.0: no classifier-free guidance\)"):
+        SampleHunyuan(true_cfg_scale=0.5)
+    with pytest.raises(ValueError, match="true_cfg_scale is HunyuanVideo's; the flux samples take guidance_scale"):
+        SampleFlux(true_cfg_scale=2.0)

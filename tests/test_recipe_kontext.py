@@ -1,5 +1,6 @@
-"""The Flux Kontext editing recipe: paired data of two aspect ratios trained and sampled at cp=2, the reference's
-tokens split with the target's, the gradient against one process, and the pairing errors."""
+"""The Flux Kontext editing recipe: paired data of two aspect ratios trained and sampled at cp=2, resumed exactly
+from a mid-run checkpoint, the reference's tokens split with the target's, the gradient and a CP-rendered edit
+against one process, and the pairing errors."""
 
 from __future__ import annotations
 
@@ -34,23 +35,38 @@ def run(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("kontext")
     data = _pairs(tmp / "pairs")
     images = json.dumps([str(data / "control" / "00.png"), str(data / "control" / "08.png")])
-    return tmp, run_recipe(
-        tmp,
-        "cp2",
+    common = (
         "--trainer.max_steps=4",
         "--samples.every_n_steps=2",
         "--samples.num_inference_steps=2",
+        "--checkpoint.every_n_steps=2",
         f"--data.data_dir={data}",
         f"--samples.images={images}",
         '--samples.prompts=["swap the colour channels", "swap the colour channels"]',
-        recipe="flux_kontext",
     )
+    out = run_recipe(tmp, "cp2", *common, recipe="flux_kontext")
+    return tmp, out, common
+
+
+@pytest.fixture(scope="module")
+def resumed(run):
+    """The straight run resumed from its step-2 checkpoint, in a folder of its own."""
+    tmp, out, common = run
+    return run_recipe(
+        tmp, "resumed", *common, f"--ckpt_path={out / 'checkpoints' / 'step_2.ckpt'}", recipe="flux_kontext"
+    )
+
+
+def test_resume_from_a_mid_run_checkpoint_draws_the_straight_runs_losses(run, resumed):
+    _, out, _ = run
+    straight = losses(out)
+    assert losses(resumed) == pytest.approx(straight[2:], abs=1e-6)  # steps 3 and 4
 
 
 def test_paired_data_of_two_aspect_ratios_trains_and_samples_at_cp2(run):
     import csv
 
-    _, out = run
+    _, out, _ = run
     assert len(losses(out)) == 4 and all(np.isfinite(losses(out)))
     with (out / "buckets.csv").open() as f:
         rows = {r["bucket"]: r for r in csv.DictReader(f)}
@@ -126,7 +142,7 @@ def _grads(rank, world, cache):
 
 
 def test_the_reference_tokens_are_split_and_the_gradient_equals_one_process(run):
-    tmp, _ = run
+    tmp, _, _ = run
     cache = tmp / "cache"
     results = spawn(_grads, 2, cache, timeout_s=900)
     single, tokens = _grads(0, 1, cache)
@@ -137,10 +153,38 @@ def test_the_reference_tokens_are_split_and_the_gradient_equals_one_process(run)
             assert np.abs(grads[name] - g).max() / np.abs(g).max() < 1e-4, name
 
 
+def _edit(rank, world, cache, reference):
+    """An edit of ``reference`` by the recipe's sampler, with a perturbed tiny base (every layer matters), at
+    cp=world: the reference image's tokens are split with the target's inside the pipeline's transformer."""
+    from cp_lightning import build_mesh, parallelize
+    from recipes.components import load_pipeline
+    from recipes.flux_kontext import SampleFluxKontext
+    from tests.test_recipe_training import _perturb
+
+    sampler = SampleFluxKontext(images=[reference], prompts=["swap the colour channels"], num_inference_steps=3)
+    sampler.pipeline = __import__("diffusers").FluxKontextPipeline.from_pipe(load_pipeline("flux", "tiny", cache))
+    sampler.pipeline.set_progress_bar_config(disable=True)
+    sampler.references = [Image.open(reference).convert("RGB")]
+    _perturb(sampler.pipeline.transformer)
+    if world > 1:
+        parallelize(sampler.pipeline.transformer, mesh=build_mesh(cp=world))
+    with torch.no_grad():
+        return sampler.render(sampler.pipeline, sampler.encode(sampler.pipeline, sampler.prompts[0]), sampler.seed)
+
+
+def test_an_edit_rendered_with_cp_equals_the_one_process_edit(run):
+    tmp, _, _ = run
+    reference = str(tmp / "pairs" / "control" / "08.png")  # the 2:1 one: 64 x 32 pixels
+    single = _edit(0, 1, tmp / "cache", reference)
+    assert single.shape == (1, 32, 32, 3)
+    for edit in spawn(_edit, 2, tmp / "cache", reference, timeout_s=600):
+        np.testing.assert_allclose(edit, single, atol=1e-5)
+
+
 def test_a_missing_or_misshapen_reference_is_an_error_naming_the_file(run, tmp_path):
     from recipes.flux_kontext import FluxKontextData
 
-    tmp, _ = run
+    tmp, _, _ = run
     data = _pairs(tmp_path / "pairs", square=4, wide=4)
 
     def plan():

@@ -80,15 +80,18 @@ def _pipeline(tmp: Path, family: str = "flux"):
     return pipe
 
 
-def _render(pipe, family: str = "flux", prompt_index: int = 0, steps: int = 2) -> np.ndarray:
+def _render(pipe, family: str = "flux", prompt_index: int = 0, steps: int = 2, cfg: bool = True) -> np.ndarray:
     from recipes.sampling import SAMPLERS
 
     # Flux: the tiny config's guidance 1.0; Wan: the default classifier-free guidance 5.0; HunyuanVideo: its
-    # default embedded guidance 6.0, the text padded (the joint [video, text] key mask is split)
+    # default embedded guidance 6.0 and classifier-free guidance 3.0 against a negative prompt, the text padded
+    # (the joint [video, text] key mask is split)
+    hunyuan_cfg = {"true_cfg_scale": 3.0, "negative_prompt": "a blurry frame"} if cfg else {}
     extra = {
         "flux": {"guidance_scale": 1.0},
         "wan": {"num_frames": 4, "prompts": ["a red circle moving right"]},
-        "hunyuan": {"num_frames": 5, "prompts": ["a red circle"], "max_sequence_length": 48},  # 23 of 48 tokens text
+        # 23 of 48 tokens text
+        "hunyuan": {"num_frames": 5, "prompts": ["a red circle"], "max_sequence_length": 48, **hunyuan_cfg},
     }[family]
     sampler = SAMPLERS[family](num_inference_steps=steps, **extra)
     with torch.no_grad():
@@ -175,14 +178,16 @@ def _cp_render(rank, world, cache, two_experts=None):
     from cp_lightning import build_mesh, parallelize
     from recipes.components import load_pipeline
 
-    out = {}
+    out, pipes = {}, {}
     for family in FAMILIES:
-        pipe = load_pipeline(family, "tiny", cache)
+        pipe = pipes[family] = load_pipeline(family, "tiny", cache)
         pipe.set_progress_bar_config(disable=True)
         _perturb(pipe.transformer)
         if world > 1:
             parallelize(pipe.transformer, mesh=build_mesh(cp=world))
         out[family] = _render(pipe, family, steps=3)
+    if world == 1:  # HunyuanVideo's classifier-free guidance changes the sample
+        out["hunyuan without cfg"] = _render(pipes["hunyuan"], "hunyuan", steps=3, cfg=False)
     if two_experts:
         out["wan2.2"] = _sample_two_experts(rank, world, cache, two_experts)
     return out
@@ -199,10 +204,12 @@ def test_a_cp_rendered_sample_equals_the_one_process_sample(runs):
     two_experts = _two_experts(cache)
     results = spawn(_cp_render, 2, cache, two_experts)
     single = _cp_render(0, 1, cache)
-    # Wan: classifier-free guidance 5.0, two transformer passes per step; HunyuanVideo: video and text split
+    # Wan: classifier-free guidance 5.0, two transformer passes per step; HunyuanVideo: video and text split,
+    # classifier-free guidance against a negative prompt (its text padded otherwise than the prompt's)
     for family in FAMILIES:
         for sample in results:
             np.testing.assert_allclose(sample[family], single[family], atol=1e-5)
+    assert np.abs(single["hunyuan"] - single["hunyuan without cfg"]).max() > 1e-3
     # Wan2.2 A14B: the pipeline's own two-expert loop in one process; the CP run trained one expert and
     # sampled with the other one frozen and parallelized
     pipe = WanPipeline.from_pretrained(two_experts)
