@@ -3,7 +3,7 @@
 ``load_pipeline(family, "tiny", cache_dir)`` builds a tiny pipeline of that family (Flux: transformer,
 VAE, CLIP and T5 text encoders; Wan: transformer, Wan VAE, UMT5 encoder; HunyuanVideo: transformer,
 HunyuanVideo VAE, Llama and CLIP encoders; all with ByT5's byte tokenizer, which needs no vocabulary
-download) once, with a fixed seed (the Flux VAE fitted to the synthetic
+download) once, with a fixed seed (the Flux and HunyuanVideo VAEs fitted to the synthetic
 shapes, recipes/tiny_vae.py), saves it under ``cache_dir``
 and loads it back with ``from_pretrained``: the recipes take one code path for tiny and real checkpoints.
 """
@@ -131,6 +131,8 @@ def build_tiny_hunyuan_pipeline(seed: int = 0):
     )
     from transformers import ByT5Tokenizer, CLIPTextConfig, CLIPTextModel, LlamaConfig, LlamaModel
 
+    from recipes.tiny_vae import fit_tiny_vae
+
     with torch.random.fork_rng():
         torch.manual_seed(seed)
         # the prompt template's system prompt is ~500 bytes before the caption: room for it and the caption
@@ -176,6 +178,7 @@ def build_tiny_hunyuan_pipeline(seed: int = 0):
             spatial_compression_ratio=2,
             temporal_compression_ratio=4,
         )
+        fit_tiny_vae(vae, frames=5)  # reconstructs moving shapes, so samples show what the transformer learns
         transformer = HunyuanVideoTransformer3DModel(
             in_channels=4,
             out_channels=4,

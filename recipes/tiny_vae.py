@@ -1,11 +1,13 @@
-"""Fit the tiny Flux pipeline's VAE to the synthetic shapes, so that the embedded default's samples show
-what the transformer learned (a random-init VAE decodes anything to noise).
+"""Fit the tiny pipelines' VAEs to the synthetic shapes, so that samples show what the transformer learned
+(a random-init VAE decodes anything to noise): Flux's on still shapes, HunyuanVideo's on 5-frame clips of a
+shape moving right (its 4x causal temporal compression: the first frame alone, then four frames per latent).
 
-Adam on MSE reconstruction plus a small KL term, on random 16 px crops of 256 generated 32 px shapes
-(the VAE is convolutional; crops cost a quarter of full images): ~15 s of one CPU core. The latents are
-then standardised the way real Flux VAEs are (``shift_factor``, ``scaling_factor``). Deterministic for a
-given torch build; the fitted weights are cached per machine in ``$CP_LIGHTNING_CACHE`` (default
-``~/.cache/cp_lightning``), so every tiny pipeline built on it (tests build many) pays the fit once.
+Adam on MSE reconstruction plus a small KL term, on random 16 px crops of 256 generated 32 px shapes (the
+VAEs are convolutional; crops cost a quarter of full images): ~15 s of one CPU core for Flux's, about a
+minute for HunyuanVideo's. The latents are then standardised the way the real VAEs are (Flux:
+``shift_factor`` and ``scaling_factor``; HunyuanVideo: ``scaling_factor``). Deterministic for a given torch
+build; the fitted weights are cached per machine in ``$CP_LIGHTNING_CACHE`` (default
+``~/.cache/cp_lightning``), so every tiny pipeline built on them (tests build many) pays the fit once.
 """
 
 from __future__ import annotations
@@ -21,24 +23,36 @@ import torch
 STEPS, BATCH, CROP, LR, SAMPLES = 400, 16, 16, 4e-3, 256
 
 
-def _cache_file(vae) -> Path:
+def _cache_file(vae, frames: int) -> Path:
     settings = [dict(vae.config), STEPS, BATCH, CROP, LR, SAMPLES, torch.__version__]
-    key = json.dumps(settings, sort_keys=True, default=str)
+    key = json.dumps(settings + ([frames] if frames > 1 else []), sort_keys=True, default=str)
     root = Path(os.environ.get("CP_LIGHTNING_CACHE", Path.home() / ".cache" / "cp_lightning"))
-    return root / f"tiny_flux_vae-{hashlib.sha256(key.encode()).hexdigest()[:16]}.safetensors"
+    kind = "flux" if frames == 1 else "video"
+    return root / f"tiny_{kind}_vae-{hashlib.sha256(key.encode()).hexdigest()[:16]}.safetensors"
 
 
-def _shapes() -> torch.Tensor:
-    """N, 3, 32, 32 in [-1, 1]: the recipes' synthetic shapes (another seed than the training data's)."""
-    from PIL import Image
+def _pixels(image) -> torch.Tensor:
+    return torch.frombuffer(bytearray(image.convert("RGB").tobytes()), dtype=torch.uint8).view(32, 32, 3)
+
+
+def _shapes(frames: int = 1, seed: int = 1) -> torch.Tensor:
+    """N, 3, 32, 32 (still shapes) or N, 3, frames, 32, 32 (clips of a shape moving right) in [-1, 1]: the
+    recipes' synthetic shapes (by default another seed than the training data's)."""
+    from PIL import Image, ImageSequence
 
     from recipes.synthetic import make_shapes
 
     with tempfile.TemporaryDirectory() as folder:
-        make_shapes(folder, SAMPLES, size=32, seed=1)
-        images = [Image.open(p).convert("RGB") for p in sorted(Path(folder).glob("*.png"))]
-        pixels = [torch.frombuffer(bytearray(im.tobytes()), dtype=torch.uint8).view(32, 32, 3) for im in images]
-    return torch.stack(pixels).permute(0, 3, 1, 2).float() / 127.5 - 1.0  # N, H, W, C -> N, C, H, W
+        make_shapes(folder, SAMPLES, size=32, seed=seed, frames=frames)
+        if frames == 1:
+            pixels = [_pixels(Image.open(p)) for p in sorted(Path(folder).glob("*.png"))]
+            return torch.stack(pixels).permute(0, 3, 1, 2).float() / 127.5 - 1.0  # N, H, W, C -> N, C, H, W
+        clips = []
+        for path in sorted(Path(folder).glob("*.gif")):
+            clip = [_pixels(frame) for frame in ImageSequence.Iterator(Image.open(path))]
+            clip += clip[-1:] * (frames - len(clip))  # the GIF writer merges a shape that stopped at the edge
+            clips.append(torch.stack(clip[:frames]))
+    return torch.stack(clips).permute(0, 4, 1, 2, 3).float() / 127.5 - 1.0  # N, F, H, W, C -> N, C, F, H, W
 
 
 def _fit(vae, pixels: torch.Tensor) -> None:
@@ -49,7 +63,7 @@ def _fit(vae, pixels: torch.Tensor) -> None:
     for _ in range(STEPS):
         batch = pixels[torch.randint(0, len(pixels), (BATCH,), generator=g)]
         i, j = torch.randint(0, 32 - CROP + 1, (2,), generator=g).tolist()
-        batch = batch[:, :, i : i + CROP, j : j + CROP]
+        batch = batch[..., i : i + CROP, j : j + CROP]
         posterior = vae.encode(batch).latent_dist
         z = posterior.mean + posterior.std * torch.randn(posterior.mean.shape, generator=g)
         loss = torch.nn.functional.mse_loss(vae.decode(z).sample, batch) + 1e-6 * posterior.kl().mean()
@@ -60,11 +74,12 @@ def _fit(vae, pixels: torch.Tensor) -> None:
     vae.eval()
 
 
-def fit_tiny_vae(vae) -> None:
-    """Fit ``vae`` (the tiny Flux AutoencoderKL) in place, or load the cached fit; set its latent scaling."""
+def fit_tiny_vae(vae, frames: int = 1) -> None:
+    """Fit ``vae`` in place (the tiny Flux AutoencoderKL; with ``frames`` > 1 the tiny HunyuanVideo VAE, on
+    clips of that many frames), or load the cached fit; set its latent scaling."""
     from safetensors.torch import load_file, save_file
 
-    path = _cache_file(vae)
+    path = _cache_file(vae, frames)
     if path.exists():
         vae.load_state_dict(load_file(str(path)))
     else:
@@ -72,7 +87,7 @@ def fit_tiny_vae(vae) -> None:
         with torch.random.fork_rng():
             torch.set_num_threads(1)  # one thread: the same fit on every machine of this torch build
             try:
-                _fit(vae, _shapes())
+                _fit(vae, _shapes(frames))
             finally:
                 torch.set_num_threads(threads)
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -81,6 +96,9 @@ def fit_tiny_vae(vae) -> None:
         tmp.replace(path)  # atomic: concurrent builds never read half a file
     vae.eval()
     with torch.no_grad():
-        z = vae.encode(_shapes()).latent_dist.mode()
+        z = vae.encode(_shapes(frames)).latent_dist.mode()
+    if frames > 1:  # HunyuanVideo's VAE scales its latents, with no shift
+        vae.register_to_config(scaling_factor=float(1.0 / z.std()))
+        return
     # standardised latents, as Flux's VAE config does with its shift and scaling factors
     vae.register_to_config(shift_factor=float(z.mean()), scaling_factor=float(1.0 / z.std()))

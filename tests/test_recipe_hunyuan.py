@@ -98,6 +98,30 @@ def test_the_comfyui_layout_holds_the_same_lora_under_the_original_layer_names(r
     np.testing.assert_allclose(_render(pipe), exported, atol=1e-5)
 
 
+def test_the_tiny_vae_reconstructs_moving_shapes_it_never_saw(runs):
+    """The tiny pipeline's VAE is fitted to clips of moving shapes (recipes/tiny_vae.py), so its samples show
+    what the transformer learned; its latents are scaled to unit variance, as the real VAE's scaling factor does."""
+    from diffusers import AutoencoderKLHunyuanVideo
+
+    from recipes.tiny_vae import _shapes
+
+    clips = _shapes(frames=5, seed=7)[:16]  # other shapes than the fit's (seed 1)
+    fitted = AutoencoderKLHunyuanVideo.from_pretrained(str(runs["tmp"] / "cache" / "tiny_hunyuan_pipeline" / "vae"))
+    torch.manual_seed(0)
+    untrained = AutoencoderKLHunyuanVideo.from_config(fitted.config)
+
+    def error(vae):
+        with torch.no_grad():
+            z = vae.encode(clips).latent_dist.mode()
+            return torch.nn.functional.mse_loss(vae.decode(z).sample, clips).item(), (
+                z * vae.config.scaling_factor
+            ).std()
+
+    fit_error, scaled_std = error(fitted)
+    assert fit_error < 0.1 * error(untrained)[0], (fit_error, error(untrained)[0])
+    assert 0.8 < scaled_std < 1.25
+
+
 def test_resume_from_a_light_checkpoint_is_exact(runs):
     from recipes import lora
 
