@@ -122,6 +122,34 @@ def build_tiny_wan_pipeline(seed: int = 0):
     )
 
 
+def build_tiny_wan_i2v_pipeline(seed: int = 0):
+    """Wan2.1 image-to-video at tiny size: the tiny Wan pipeline's text encoder and VAE, a transformer that takes
+    the noisy latents, the first-frame mask and the condition latents as input channels (4 + 1 + 4: the tiny VAE
+    compresses no frames, so the mask has one channel per latent frame) and CLIP image tokens beside the text."""
+    from diffusers import WanImageToVideoPipeline, WanTransformer3DModel
+    from transformers import CLIPImageProcessorPil, CLIPVisionConfig, CLIPVisionModel
+
+    base = build_tiny_wan_pipeline(seed)
+    with torch.random.fork_rng():
+        torch.manual_seed(seed + 1)
+        image_encoder = CLIPVisionModel(
+            CLIPVisionConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+                             image_size=32, patch_size=8, projection_dim=16)
+        )  # fmt: skip
+        config = {k: v for k, v in base.transformer.config.items() if not k.startswith("_")}
+        config.update(in_channels=9, image_dim=16, added_kv_proj_dim=48)  # added K/V: the inner dim, 4 x 12
+        transformer = WanTransformer3DModel(**config)
+    return WanImageToVideoPipeline(
+        tokenizer=base.tokenizer,
+        text_encoder=base.text_encoder,
+        vae=base.vae,
+        transformer=transformer,
+        scheduler=base.scheduler,
+        image_encoder=image_encoder,
+        image_processor=CLIPImageProcessorPil(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32}),
+    )
+
+
 def build_tiny_hunyuan_pipeline(seed: int = 0):
     from diffusers import (
         AutoencoderKLHunyuanVideo,
@@ -221,6 +249,7 @@ def hunyuan_prompt_template(tokenizer) -> dict:
 FAMILIES = {
     "flux": ("FluxPipeline", "FluxTransformer2DModel", build_tiny_pipeline),
     "wan": ("WanPipeline", "WanTransformer3DModel", build_tiny_wan_pipeline),
+    "wan_i2v": ("WanImageToVideoPipeline", "WanTransformer3DModel", build_tiny_wan_i2v_pipeline),
     "hunyuan": ("HunyuanVideoPipeline", "HunyuanVideoTransformer3DModel", build_tiny_hunyuan_pipeline),
 }
 

@@ -46,7 +46,9 @@ PRESETS = {
 
 
 def family(config: Path) -> str:
-    return next((f for f in ("wan", "hunyuan", "kontext") if f in config.name), "flux")
+    return next(
+        (f for f in ("wan_i2v", "wan", "hunyuan", "kontext") if f in config.name.replace("i2v", "wan_i2v")), "flux"
+    )
 
 
 def recipe(config: Path):
@@ -56,11 +58,13 @@ def recipe(config: Path):
     from recipes.flux_kontext import FluxKontextData, FluxKontextFineTune
     from recipes.hunyuan import HunyuanFineTune
     from recipes.wan import WanFineTune
+    from recipes.wan_i2v import WanI2VData, WanI2VFineTune
 
     return {
         "flux": (FluxFineTune, FluxData),
         "kontext": (FluxKontextFineTune, FluxKontextData),
         "wan": (WanFineTune, WanData),
+        "wan_i2v": (WanI2VFineTune, WanI2VData),
         "hunyuan": (HunyuanFineTune, HunyuanData),
     }[family(config)]
 
@@ -110,7 +114,7 @@ def test_real_config_fits_its_architecture(config):
     kind = family(ROOT / "configs" / config)
     if kind != "flux":
         tokens *= (data["num_frames"] - 1) // 4 + 1  # Wan's and HunyuanVideo's VAEs: 4x temporal, first frame kept
-    split_text = data["max_sequence_length"] if kind != "wan" else 0  # Flux and HunyuanVideo split their text too
+    split_text = data["max_sequence_length"] if not kind.startswith("wan") else 0  # Flux and HunyuanVideo split text
     assert split_text % cp == 0
     text = (ROOT / "configs" / config).read_text()
     if not data.get("aspect_ratios"):
