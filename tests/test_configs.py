@@ -26,6 +26,9 @@ REAL = {
     "wan2.2_ti2v_5b_lora_cp4.yaml": "wan2.2-ti2v-5b-transformer.json",
     "wan2.2_t2v_a14b_lora_cp8.yaml": "wan2.2-t2v-a14b-transformer.json",
     "hunyuanvideo_lora_720p_cp8.yaml": "hunyuanvideo-transformer.json",
+    "wan2.1_i2v_14b_lora_480p_cp4.yaml": "wan2.1-i2v-14b-transformer.json",
+    "wan2.1_i2v_14b_lora_720p_cp8.yaml": "wan2.1-i2v-14b-transformer.json",
+    "wan2.2_i2v_a14b_lora_cp8.yaml": "wan2.2-i2v-a14b-transformer.json",
 }
 PARAMS = {
     "flux1-dev-transformer.json": (11.5e9, 12.5e9),
@@ -34,6 +37,8 @@ PARAMS = {
     "wan2.2-ti2v-5b-transformer.json": (4.8e9, 5.2e9),
     "wan2.2-t2v-a14b-transformer.json": (13.5e9, 14.5e9),  # one of its two experts
     "hunyuanvideo-transformer.json": (12.5e9, 13.2e9),
+    "wan2.1-i2v-14b-transformer.json": (16.0e9, 16.8e9),  # with the image cross-attention's key/value projections
+    "wan2.2-i2v-a14b-transformer.json": (13.5e9, 14.5e9),  # one of its two experts
 }
 VAE_SPATIAL = {"wan2.2-ti2v-5b-transformer.json": 16}  # Wan2.2's VAE; the others downsample 8x
 # the presets of the training issue state a memory figure that the shared estimate must reproduce
@@ -42,6 +47,9 @@ PRESETS = {
     "wan2.2_ti2v_5b_lora_cp4.yaml",
     "wan2.2_t2v_a14b_lora_cp8.yaml",
     "hunyuanvideo_lora_720p_cp8.yaml",
+    "wan2.1_i2v_14b_lora_480p_cp4.yaml",
+    "wan2.1_i2v_14b_lora_720p_cp8.yaml",
+    "wan2.2_i2v_a14b_lora_cp8.yaml",
 }
 
 
