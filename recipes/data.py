@@ -34,6 +34,7 @@ from recipes.buckets import (
 from recipes.cache import (
     EMPTY,
     CachedDataset,
+    atomic_save,
     digest,
     encode_entries,
     flux_encoder,
@@ -354,6 +355,25 @@ class EncodedData(L.LightningDataModule):
 
     def encode_extra(self, samples: list[dict]) -> None:
         """Cache what a recipe needs beyond each sample's latents and text (an editing recipe's reference)."""
+
+    def encode_missing(self, samples: list[dict], key_of, encode) -> None:
+        """For an ``encode_extra``: cache ``encode(pipeline, latents_of, sample)`` (a dict of tensors) as
+        ``<key_of(sample key)>.safetensors`` for each sample that has none yet; every rank encodes a share with
+        the family's encoders, then all wait."""
+        h = self.hparams
+        rank, world, _, barrier, _ = self._layout()
+        folder = self.cache_folder
+        mine = [s for s in samples[rank::world] if not (folder / f"{key_of(s['key'])}.safetensors").exists()]
+        if mine:
+            from recipes.components import load_encoders
+
+            pipeline = load_encoders(self.family, h.pretrained, h.cache_dir, dtype=getattr(torch, h.encode_dtype))
+            device = self.trainer.strategy.root_device if self.trainer is not None else torch.device("cpu")
+            latents_of, _ = self.encoder(pipeline.to(device))
+            with torch.no_grad():
+                for s in mine:
+                    atomic_save(encode(pipeline, latents_of, s), folder / f"{key_of(s['key'])}.safetensors")
+        barrier()
 
     def train_dataloader(self) -> DataLoader:
         # Sized by the strategy (dp ranks under CP: CP peers get the same batches), one replica otherwise.

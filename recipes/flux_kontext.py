@@ -25,7 +25,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from recipes.cache import CachedDataset, atomic_save, digest
+from recipes.cache import CachedDataset, digest
 from recipes.data import FluxData
 from recipes.finetune import cli
 from recipes.flux import FluxFineTune
@@ -153,23 +153,16 @@ class FluxKontextData(FluxData):
     def encode_extra(self, samples: list[dict]) -> None:
         """Encode the references missing from the cache (each rank a share), cropped as their targets."""
         h = self.hparams
-        rank, world, _, barrier, _ = self._layout()
-        folder = self.cache_folder
-        mine = [s for s in samples[rank::world] if not (folder / f"{control_key(s['key'])}.safetensors").exists()]
-        if mine:
-            from recipes.components import load_encoders
 
-            pipeline = load_encoders(self.family, h.pretrained, h.cache_dir, dtype=getattr(torch, h.encode_dtype))
-            device = self.trainer.strategy.root_device if self.trainer is not None else torch.device("cpu")
-            latents_of, _ = self.encoder(pipeline.to(device))
-            with torch.no_grad():
-                for s in mine:
-                    b, reference = s["bucket"], self.controls[s["source"].path]
-                    # the target's key names the crop: the same offset as the target's
-                    pixels = to_pixels(load_frames(reference, [0]), b.height, b.width, h.crop, h.seed, s["key"])
-                    z = latents_of(pixels[None])  # 1, 1, C, H, W -> 1, C, h, w
-                    atomic_save({"control_latents": z[0]}, folder / f"{control_key(s['key'])}.safetensors")
-        barrier()
+        def reference(_pipeline, latents_of, s):
+            b = s["bucket"]
+            # the target's key names the crop: the same offset as the target's
+            pixels = to_pixels(
+                load_frames(self.controls[s["source"].path], [0]), b.height, b.width, h.crop, h.seed, s["key"]
+            )
+            return {"control_latents": latents_of(pixels[None])[0]}  # 1, 1, C, H, W -> C, h, w
+
+        self.encode_missing(samples, control_key, reference)
 
 
 class FluxKontextFineTune(FluxFineTune):

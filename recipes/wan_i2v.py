@@ -23,7 +23,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from recipes.cache import CachedDataset, atomic_save, digest
+from recipes.cache import CachedDataset, digest
 from recipes.data import WanData
 from recipes.finetune import cli
 from recipes.media import load_frames, to_pixels
@@ -99,27 +99,19 @@ class WanI2VData(WanData):
     def encode_extra(self, samples: list[dict]) -> None:
         """Encode each clip's first-frame condition missing from the cache (each rank a share)."""
         h = self.hparams
-        rank, world, _, barrier, _ = self._layout()
-        folder = self.cache_folder
-        mine = [s for s in samples[rank::world] if not (folder / f"{condition_key(s['key'])}.safetensors").exists()]
-        if mine:
-            from recipes.components import load_encoders
 
-            pipeline = load_encoders(self.family, h.pretrained, h.cache_dir, dtype=getattr(torch, h.encode_dtype))
-            device = self.trainer.strategy.root_device if self.trainer is not None else torch.device("cpu")
-            latents_of, _ = self.encoder(pipeline.to(device))
-            with torch.no_grad():
-                for s in mine:
-                    b = s["bucket"]
-                    # the clip's own pixels, cropped as it was: F, C, H, W in [-1, 1]
-                    pixels = to_pixels(load_frames(s["source"], s["frames"], s.get("times")), b.height, b.width,
-                                       h.crop, h.seed, s["key"])  # fmt: skip
-                    video = torch.cat([pixels[:1], torch.zeros_like(pixels[1:])])  # the first frame, then black
-                    out = {"condition_latents": latents_of(video[None])[0]}
-                    if getattr(pipeline, "image_encoder", None) is not None:
-                        out["image_embeds"] = image_tokens(pipeline, _image(pixels[0]))[0].float().cpu()
-                    atomic_save(out, folder / f"{condition_key(s['key'])}.safetensors")
-        barrier()
+        def condition(pipeline, latents_of, s):
+            b = s["bucket"]
+            # the clip's own pixels, cropped as it was: F, C, H, W in [-1, 1]
+            frames = load_frames(s["source"], s["frames"], s.get("times"))
+            pixels = to_pixels(frames, b.height, b.width, h.crop, h.seed, s["key"])
+            video = torch.cat([pixels[:1], torch.zeros_like(pixels[1:])])  # the first frame, then black
+            out = {"condition_latents": latents_of(video[None])[0]}
+            if getattr(pipeline, "image_encoder", None) is not None:
+                out["image_embeds"] = image_tokens(pipeline, _image(pixels[0]))[0].float().cpu()
+            return out
+
+        self.encode_missing(samples, condition_key, condition)
 
 
 class WanI2VFineTune(WanFineTune):
