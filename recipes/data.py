@@ -90,6 +90,7 @@ class EncodedData(L.LightningDataModule):
     validation = None  # a recipes.validation.Validation, found among the Trainer's callbacks when unset
     given_layout: tuple[int, Path | None] = (1, None)  # (cp, run folder) without a Trainer: set_layout
     dataset_class = CachedDataset
+    frame_chunk = 1  # frames the VAE encodes at a time after the first (clips must have k x chunk + 1 frames)
     num_frames, frame_buckets, fps, clip_position, clips_per_video, skip_short_clips = 1, None, None, "start", 1, False
 
     def __init__(
@@ -213,11 +214,13 @@ class EncodedData(L.LightningDataModule):
         h = self.hparams
         multiple, temporal, _ = self.geometry()
         frame_counts = sorted(set(self.frame_buckets or [self.num_frames]))
+        chunk = max(temporal, self.frame_chunk)
         for f in frame_counts:
-            if f < 1 or (f - 1) % temporal:
+            if f < 1 or (f - 1) % chunk:
+                what = f"compresses {temporal} frames into one" if temporal == chunk else f"encodes chunks of {chunk}"
                 raise ValueError(
-                    f"clips of {f} frames do not fit the VAE, which compresses {temporal} frames into one after the "
-                    f"first: use {temporal}k+1 frames, e.g. {max(round((f - 1) / temporal), 0) * temporal + 1}."
+                    f"clips of {f} frames do not fit the VAE, which {what} after the first: use {chunk}k+1 frames, "
+                    f"e.g. {max(round((f - 1) / chunk), 0) * chunk + 1}."
                 )
         for side in (h.resolution, h.width or h.resolution):
             if side % multiple:
@@ -449,7 +452,8 @@ class WanData(EncodedData):
     """Video clips (mp4/webm/mov/gif; images count as 1-frame clips) for Wan; see :class:`EncodedData`.
 
     Args:
-        num_frames: frames per clip: 4k+1 for Wan's VAE (the tiny VAE compresses no frames: any count).
+        num_frames: frames per clip: 4k+1 for Wan's VAE, which encodes the first frame and then chunks of 4
+            (the tiny VAE too, though it compresses none: other counts would lose frames).
         frame_buckets: clip lengths to bucket by (each video takes the longest it can fill); default
             ``[num_frames]``.
         fps: resample videos to this frame rate first (default: keep the source's frames).
@@ -460,6 +464,7 @@ class WanData(EncodedData):
     """
 
     family = "wan"
+    frame_chunk = 4  # Wan's VAE encodes the first frame, then chunks of 4 (whatever it compresses)
     default_dir = "outputs/data/moving_shapes"
     video = True
 
@@ -474,7 +479,7 @@ class WanData(EncodedData):
         aspect_ratios: list[float | str] | None = None,
         crop: str = "center",
         small_buckets: str = "merge",
-        num_frames: int = 4,
+        num_frames: int = 5,
         frame_buckets: list[int] | None = None,
         fps: float | None = None,
         clip_position: str = "start",

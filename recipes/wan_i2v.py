@@ -86,16 +86,6 @@ class WanI2VData(WanData):
             )
         super().setup(stage)
 
-    def plan(self, cp: int = 1) -> list[dict]:
-        # Wan's VAE encodes the first frame, then chunks of 4 (whatever it compresses): other counts lose frames
-        for f in sorted(set(self.frame_buckets or [self.num_frames])):
-            if (f - 1) % 4:
-                raise ValueError(
-                    f"clips of {f} frames do not fit Wan's VAE, which encodes the first frame and then chunks of 4 "
-                    f"frames: use 4k+1 frames, e.g. {max(round((f - 1) / 4), 0) * 4 + 1}."
-                )
-        return super().plan(cp)
-
     def encode_extra(self, samples: list[dict]) -> None:
         """Encode each clip's first-frame condition missing from the cache (each rank a share)."""
         h = self.hparams

@@ -454,7 +454,7 @@ def mixed_folder(tmp) -> str:
     tmp, lines = Path(tmp), []
     folder = tmp / "mixed"
     folder.mkdir()
-    for prefix, frames, n in (("img", 1, 24), ("vid", 4, 8)):
+    for prefix, frames, n in (("img", 1, 24), ("vid", 5, 8)):
         source = make_shapes(tmp / prefix, n, size=32, seed=frames, frames=frames)
         for line in (source / "metadata.jsonl").read_text().splitlines():
             row = json.loads(line)
@@ -474,10 +474,10 @@ def recipe_runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("dynamic_recipe")
     common = (
         "--trainer.strategy.init_args.dynamic_cp=true",
-        "--trainer.strategy.init_args.min_tokens_per_rank=100",  # 64-token images at 1, 256-token clips at 2
+        "--trainer.strategy.init_args.min_tokens_per_rank=100",  # 64-token images at 1, 320-token clips at 2
         f"--data.data_dir={mixed_folder(tmp)}",
         "--data.synthetic_samples=0",
-        "--data.frame_buckets=[1,4]",
+        "--data.frame_buckets=[1,5]",
         "--samples.every_n_steps=0",
         "--trainer.logger=false",
         "--trainer.max_steps=6",  # an epoch is 10 micro-batches: 6 image pairs at degree 1, 4 clips at degree 2
@@ -501,5 +501,5 @@ def test_a_dynamic_recipe_run_resumed_mid_epoch_reproduces_the_straight_run(reci
         rows = {r["bucket"]: r for r in csv.DictReader(f)}
     assert {b: (r["cp_degree"], r["tokens_per_cp_rank"]) for b, r in rows.items()} == {
         "32x32": ("1", "64"),
-        "32x32x4f": ("2", "128"),
+        "32x32x5f": ("2", "160"),
     }

@@ -57,7 +57,7 @@ def _edit_training_files(source: Path, target: Path, tmp: Path) -> None:
     held = _held_out(target)
     training = sorted(p.name for p in target.glob("*.gif") if p.name not in held)
     rows = [json.loads(line) for line in (target / "metadata.jsonl").read_text().splitlines()]
-    extra = make_shapes(tmp / "extra", 6, seed=7, frames=4)
+    extra = make_shapes(tmp / "extra", 6, seed=7, frames=5)
     shutil.copyfile(extra / "00000.gif", target / training[0])  # edited in place
     (target / training[1]).unlink()  # removed
     rows = [r for r in rows if r["file_name"] != training[1]]
@@ -207,7 +207,7 @@ def test_tensorboard_holds_the_scalars_sample_images_videos_and_hyperparameters(
     assert gif.n_frames == 5 and gif.size == (32, 32)  # 4 frames asked: Wan renders 4k + 1
     content = events.PluginTagToContent("hparams")["_hparams_/session_start_info"]
     hparams = plugin_data_pb2.HParamsPluginData.FromString(content).session_start_info.hparams
-    assert hparams["lora_rank"].number_value == 4 and hparams["num_frames"].number_value == 4  # model and data
+    assert hparams["lora_rank"].number_value == 4 and hparams["num_frames"].number_value == 5  # model and data
 
 
 def _wandb_records(path: Path):
@@ -250,5 +250,5 @@ def test_the_wandb_offline_run_holds_the_scalars_sample_images_videos_and_hyperp
     assert len(images) == len(videos) == 3  # steps 0, 2, 4
     assert all((run / "files" / name).stat().st_size > 0 for name in images + videos)
     assert all(name.endswith(".mp4") for name in videos)
-    assert config["lora_rank"] == 4 and config["num_frames"] == 4 and config["learning_rate"] == 0.003
+    assert config["lora_rank"] == 4 and config["num_frames"] == 5 and config["learning_rate"] == 0.003
     assert torch.isfinite(torch.tensor(list(val.values()))).all()
