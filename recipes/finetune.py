@@ -25,18 +25,18 @@ quiet()
 LORA_TYPES = ("lora", "dora", "lokr")
 
 
-def adapter_config(lora_type: str, rank: int, targets: list[str]):
+def adapter_config(lora_type: str, rank: int, targets: list[str], exclude: list[str] = ()):
     """peft's config for ``lora_type``: LoRA, DoRA (LoRA with a learned magnitude per output row, peft's
-    ``use_dora``) or LoKr (a Kronecker-product update, peft's ``LoKrConfig``); alpha = rank (scale 1)."""
+    ``use_dora``) or LoKr (a Kronecker-product update, peft's ``LoKrConfig``); alpha = rank (scale 1). The
+    modules named in ``exclude`` (full names) get no adapter."""
     from peft import LoKrConfig, LoraConfig
 
     if lora_type not in LORA_TYPES:
         raise ValueError(f"model.lora_type must be one of {LORA_TYPES}, got {lora_type!r}.")
+    kwargs = {"target_modules": targets, "exclude_modules": list(exclude) or None}
     if lora_type == "lokr":
-        return LoKrConfig(r=rank, alpha=rank, target_modules=targets)
-    return LoraConfig(
-        r=rank, lora_alpha=rank, init_lora_weights="gaussian", target_modules=targets, use_dora=lora_type == "dora"
-    )
+        return LoKrConfig(r=rank, alpha=rank, **kwargs)
+    return LoraConfig(r=rank, lora_alpha=rank, init_lora_weights="gaussian", use_dora=lora_type == "dora", **kwargs)
 
 
 def prepare_for_training(
@@ -47,13 +47,18 @@ def prepare_for_training(
     checkpointing: bool,
     base_dtype: str | None = None,
     lora_type: str = "lora",
+    unused: list[str] = (),
 ):
     """Add a LoRA adapter (``lora_rank > 0``, base frozen, optionally stored in float8: ``base_dtype``; a DoRA or
     LoKr one with ``lora_type``) with a layout-independent init; trainable weights in fp32; optional gradient
     checkpointing. ``transformer`` may be on the meta device (cp_lightning.loading.empty_model): its fp8 weights
-    are then quantized and its adapter initialised when its weights load."""
+    are then quantized and its adapter initialised when its weights load. ``unused`` names modules whose output
+    never reaches the model's output (QwenImage's last text stream): they get no adapter and, in a full
+    fine-tune, stay frozen (DDP refuses parameters that get no gradient)."""
     if lora_rank:
-        config = adapter_config(lora_type, lora_rank, targets)
+        # peft matches exact names: each unused module and everything inside it
+        inside = [n for n, _ in transformer.named_modules() if any(n == u or n.startswith(u + ".") for u in unused)]
+        config = adapter_config(lora_type, lora_rank, targets, inside)
         transformer.requires_grad_(False)
         if base_dtype is not None:  # the frozen linears to float8 before PEFT wraps them
             transformer = to_fp8_base(transformer, dtype=getattr(torch, base_dtype))
@@ -62,6 +67,9 @@ def prepare_for_training(
             transformer.add_adapter(config)
         # seeded by (seed, layer name): the same values built eagerly or on the meta device and sharded
         loading.init_lora(transformer, seed)
+    else:
+        for name in unused:
+            transformer.get_submodule(name).requires_grad_(False)
     for p in transformer.parameters():
         if p.requires_grad:
             p.data = p.data.float()  # trainable weights (and so their AdamW state) in fp32
@@ -114,7 +122,8 @@ class FlowMatchingFineTune(L.LightningModule):
         timestep_sampling: ``logit_normal`` (SD3/Flux practice) or ``uniform``.
         sigmoid_scale: scale of the normal draw inside logit-normal sampling (t = sigmoid(scale * z)).
         shift: fixed time shift s (t <- s t / (1 + (s - 1) t); SD3/Wan-style; 1.0 is none).
-        resolution_shift: Flux's resolution-dependent shift from the full image token count (replaces ``shift``).
+        resolution_shift: Flux's resolution-dependent shift from the full image token count (replaces ``shift``;
+            the family's own ends where it has them: QwenImage's scheduler).
         min_timestep, max_timestep: t is mapped into this range after the shift (e.g. one Wan2.2 expert's).
         loss_weighting: ``none``, ``sigma_sqrt`` or ``cosmap`` (SD3 paper's weighting schemes).
         ema_decay: keep an EMA of the trainable parameters with this decay (e.g. 0.999); 0 disables.
@@ -133,6 +142,7 @@ class FlowMatchingFineTune(L.LightningModule):
     family = ""
     lora_targets: list[str] = []
     transformer_subfolder = "transformer"
+    shift_range = training.FLUX_SHIFT_RANGE  # resolution_shift's (base tokens, max tokens, base mu, max mu)
 
     def __init__(
         self,
@@ -217,7 +227,14 @@ class FlowMatchingFineTune(L.LightningModule):
             )
         targets = list(h.lora_targets or self.lora_targets)
         self.transformer = prepare_for_training(
-            transformer, h.lora_rank, targets, h.seed, h.gradient_checkpointing, h.base_dtype, h.lora_type
+            transformer,
+            h.lora_rank,
+            targets,
+            h.seed,
+            h.gradient_checkpointing,
+            h.base_dtype,
+            h.lora_type,
+            self.unused_modules(transformer),
         )
         if h.activation_offload:
             offload.apply_activation_offload(self.transformer)
@@ -239,6 +256,10 @@ class FlowMatchingFineTune(L.LightningModule):
         path = resolve_pretrained(self.family, h.pretrained, h.cache_dir)
         return model_spec(h.pretrained, path, subfolder=self.transformer_subfolder)
 
+    def unused_modules(self, transformer) -> list[str]:
+        """Modules whose output never reaches the model's output: left untrained (see prepare_for_training)."""
+        return []
+
     def trainable_parameters(self) -> list[tuple[str, torch.nn.Parameter]]:
         return [(name, p) for name, p in self.named_parameters() if p.requires_grad]
 
@@ -249,7 +270,7 @@ class FlowMatchingFineTune(L.LightningModule):
 
     def noise_and_t(self, x0: torch.Tensor, index: torch.Tensor):
         h = self.hparams
-        shift = training.flux_shift(self.image_tokens(x0)) if h.resolution_shift else h.shift
+        shift = training.flux_shift(self.image_tokens(x0), self.shift_range) if h.resolution_shift else h.shift
         return training.sample_noise_and_t(
             x0,
             index,

@@ -1,11 +1,13 @@
 """Fit the tiny pipelines' VAEs to the synthetic shapes, so that samples show what the transformer learned
-(a random-init VAE decodes anything to noise): Flux's on still shapes, HunyuanVideo's on 5-frame clips of a
-shape moving right (its 4x causal temporal compression: the first frame alone, then four frames per latent).
+(a random-init VAE decodes anything to noise): Flux's and QwenImage's on still shapes, HunyuanVideo's on 5-frame
+clips of a shape moving right (its 4x causal temporal compression: the first frame alone, then four frames per
+latent).
 
 Adam on MSE reconstruction plus a small KL term, on random 16 px crops of 256 generated 32 px shapes (the
 VAEs are convolutional; crops cost a quarter of full images): ~15 s of one CPU core for Flux's, about a
 minute for HunyuanVideo's. The latents are then standardised the way the real VAEs are (Flux:
-``shift_factor`` and ``scaling_factor``; HunyuanVideo: ``scaling_factor``). Deterministic for a given torch
+``shift_factor`` and ``scaling_factor``; HunyuanVideo: ``scaling_factor``; QwenImage: ``latents_mean`` and
+``latents_std`` per channel). Deterministic for a given torch
 build; the fitted weights are cached per machine in ``$CP_LIGHTNING_CACHE`` (default
 ``~/.cache/cp_lightning``), so every tiny pipeline built on them (tests build many) pays the fit once.
 """
@@ -27,8 +29,14 @@ def _cache_file(vae, frames: int) -> Path:
     settings = [dict(vae.config), STEPS, BATCH, CROP, LR, SAMPLES, torch.__version__]
     key = json.dumps(settings + ([frames] if frames > 1 else []), sort_keys=True, default=str)
     root = Path(os.environ.get("CP_LIGHTNING_CACHE", Path.home() / ".cache" / "cp_lightning"))
-    kind = "flux" if frames == 1 else "video"
+    kind = "qwenimage" if _per_channel(vae) else "flux" if frames == 1 else "video"
     return root / f"tiny_{kind}_vae-{hashlib.sha256(key.encode()).hexdigest()[:16]}.safetensors"
+
+
+def _per_channel(vae) -> bool:
+    """QwenImage's VAE standardises each latent channel (``latents_mean``, ``latents_std``); AutoencoderKL's
+    fields of those names are unset (None) and HunyuanVideo's VAE has none."""
+    return vae.config.get("latents_mean") is not None
 
 
 def _pixels(image) -> torch.Tensor:
@@ -75,10 +83,12 @@ def _fit(vae, pixels: torch.Tensor) -> None:
 
 
 def fit_tiny_vae(vae, frames: int = 1) -> None:
-    """Fit ``vae`` in place (the tiny Flux AutoencoderKL; with ``frames`` > 1 the tiny HunyuanVideo VAE, on
-    clips of that many frames), or load the cached fit; set its latent scaling."""
+    """Fit ``vae`` in place (the tiny Flux AutoencoderKL or QwenImage VAE; with ``frames`` > 1 the tiny
+    HunyuanVideo VAE, on clips of that many frames), or load the cached fit; set its latent scaling."""
     from safetensors.torch import load_file, save_file
 
+    per_channel = _per_channel(vae)  # QwenImage's VAE: images as 1-frame clips, statistics per channel
+    pixels = _shapes(frames).unsqueeze(2) if per_channel else _shapes(frames)  # N, C, (1,) H, W
     path = _cache_file(vae, frames)
     if path.exists():
         vae.load_state_dict(load_file(str(path)))
@@ -87,7 +97,7 @@ def fit_tiny_vae(vae, frames: int = 1) -> None:
         with torch.random.fork_rng():
             torch.set_num_threads(1)  # one thread: the same fit on every machine of this torch build
             try:
-                _fit(vae, _shapes(frames))
+                _fit(vae, pixels)
             finally:
                 torch.set_num_threads(threads)
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -96,7 +106,11 @@ def fit_tiny_vae(vae, frames: int = 1) -> None:
         tmp.replace(path)  # atomic: concurrent builds never read half a file
     vae.eval()
     with torch.no_grad():
-        z = vae.encode(_shapes(frames)).latent_dist.mode()
+        z = vae.encode(pixels).latent_dist.mode()
+    if per_channel:  # N, C, 1, h, w: each channel standardised, as QwenImage's VAE config does
+        dims = [0, *range(2, z.ndim)]
+        vae.register_to_config(latents_mean=z.mean(dims).tolist(), latents_std=z.std(dims).tolist())
+        return
     if frames > 1:  # HunyuanVideo's VAE scales its latents, with no shift
         vae.register_to_config(scaling_factor=float(1.0 / z.std()))
         return

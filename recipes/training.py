@@ -4,9 +4,10 @@ Timesteps t in (0, 1) are flow-matching times (t = 1 is pure noise), drawn per s
 seeded by (seed, epoch, sample index), then shifted and mapped into [min_t, max_t]:
 
     t ~ sigmoid(sigmoid_scale * N(0, 1))   (logit_normal)   or   t ~ U(0, 1)   (uniform)
-    t <- s t / (1 + (s - 1) t)                              fixed shift s (SD3, Wan) or, for Flux,
-                                                            s = exp(mu(tokens)), mu linear in the image
-                                                            token count (diffusers' calculate_shift)
+    t <- s t / (1 + (s - 1) t)                              fixed shift s (SD3, Wan) or, for Flux and
+                                                            QwenImage, s = exp(mu(tokens)), mu linear in
+                                                            the image token count (diffusers'
+                                                            calculate_shift, each with its own ends)
     t <- min_t + (max_t - min_t) t
 
 The token count is that of the full sample (the recipe sees the full latents; CP splits them only inside
@@ -39,11 +40,15 @@ def check_timestep_options(
         raise ValueError(f"need 0 <= min_timestep < max_timestep <= 1, got {min_t} and {max_t}.")
 
 
-def flux_shift(tokens: int) -> float:
-    """Flux's resolution-dependent shift exp(mu) for ``tokens`` image tokens (the full count, not a CP shard's)."""
+FLUX_SHIFT_RANGE = (256, 4096, 0.5, 1.15)  # mu from 0.5 at 256 image tokens to 1.15 at 4096 (Flux's scheduler)
+
+
+def flux_shift(tokens: int, shift_range: tuple = FLUX_SHIFT_RANGE) -> float:
+    """Flux's resolution-dependent shift exp(mu) for ``tokens`` image tokens (the full count, not a CP shard's);
+    ``shift_range`` = (base tokens, max tokens, base mu, max mu), QwenImage's scheduler has its own."""
     from diffusers.pipelines.flux.pipeline_flux import calculate_shift
 
-    return math.exp(calculate_shift(tokens))
+    return math.exp(calculate_shift(tokens, *shift_range))
 
 
 def shift_t(t: torch.Tensor, shift: float) -> torch.Tensor:
