@@ -124,6 +124,33 @@ def hunyuan_encoder(pipeline, max_sequence_length: int):
     return latents, text
 
 
+def qwenimage_encoder(pipeline, max_sequence_length: int):
+    """Pixels (B, 1, C, H, W) -> QwenImage latents (B, C, h, w), normalised per channel as the pipeline expects;
+    captions -> Qwen2.5-VL embeddings (through the pipeline's prompt template) padded to ``max_sequence_length``
+    with their padding mask, so that captions of any length batch together."""
+
+    def latents(pixels: torch.Tensor) -> torch.Tensor:
+        vae = pipeline.vae
+        x = pixels.permute(0, 2, 1, 3, 4).to(vae.device, vae.dtype)  # B, 1, C, H, W -> B, C, 1, H, W
+        z = vae.encode(x).latent_dist.mode()[:, :, 0].float().cpu()
+        mean = torch.tensor(vae.config.latents_mean).view(1, -1, 1, 1)
+        std = torch.tensor(vae.config.latents_std).view(1, -1, 1, 1)
+        return (z - mean) / std
+
+    def text(captions: list[str]) -> dict[str, torch.Tensor]:
+        embeds, mask = pipeline.encode_prompt(captions, max_sequence_length=max_sequence_length)
+        b, n, d = embeds.shape
+        mask = torch.ones(b, n, dtype=torch.long) if mask is None else mask.long().cpu()
+        padded = embeds.new_zeros(b, max_sequence_length, d)
+        padded[:, :n] = embeds
+        full = torch.zeros(b, max_sequence_length, dtype=torch.long)
+        full[:, :n] = mask
+        # text padding: the transformer masks those keys
+        return {"prompt_embeds": padded.float().cpu(), "prompt_embeds_mask": full}
+
+    return latents, text
+
+
 def todo(samples: list[dict], folder: Path, rank: int = 0, world: int = 1) -> list[dict]:
     """This rank's share (every world-th sample, so ranks agree while others write) lacking an entry."""
     return [s for s in samples[rank::world] if not (folder / f"{s['key']}.safetensors").exists()]

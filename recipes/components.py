@@ -2,9 +2,9 @@
 
 ``load_pipeline(family, "tiny", cache_dir)`` builds a tiny pipeline of that family (Flux: transformer,
 VAE, CLIP and T5 text encoders; Wan: transformer, Wan VAE, UMT5 encoder; HunyuanVideo: transformer,
-HunyuanVideo VAE, Llama and CLIP encoders; all with ByT5's byte tokenizer, which needs no vocabulary
-download) once, with a fixed seed (the Flux and HunyuanVideo VAEs fitted to the synthetic
-shapes, recipes/tiny_vae.py), saves it under ``cache_dir``
+HunyuanVideo VAE, Llama and CLIP encoders; QwenImage: transformer, QwenImage VAE, Qwen2.5-VL encoder; all with
+ByT5's byte tokenizer, which needs no vocabulary download) once, with a fixed seed (the Flux, HunyuanVideo and
+QwenImage VAEs fitted to the synthetic shapes, recipes/tiny_vae.py), saves it under ``cache_dir``
 and loads it back with ``from_pretrained``: the recipes take one code path for tiny and real checkpoints.
 """
 
@@ -246,11 +246,104 @@ def hunyuan_prompt_template(tokenizer) -> dict:
     return {**DEFAULT_PROMPT_TEMPLATE, "crop_start": len(system.encode("utf-8"))}
 
 
+def build_tiny_qwenimage_pipeline(seed: int = 0):
+    """QwenImage at tiny size: a one-layer Qwen2.5-VL (its text tower is what the pipeline runs; a one-block
+    vision tower completes the class), QwenImage's VAE with 2x spatial compression and no temporal one, and
+    QwenImage's scheduler (the resolution-dependent shift of the real pipeline)."""
+    from diffusers import (
+        AutoencoderKLQwenImage,
+        FlowMatchEulerDiscreteScheduler,
+        QwenImagePipeline,
+        QwenImageTransformer2DModel,
+    )
+    from transformers import ByT5Tokenizer, Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+    from recipes.tiny_vae import fit_tiny_vae
+
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        # the template's system prompt is 180 bytes before the caption: room for it and a 1024-token caption
+        tokenizer = ByT5Tokenizer(model_max_length=1024 + 256)
+        rope = {"rope_type": "default", "rope_theta": 1_000_000.0, "mrope_section": [2, 3, 3]}  # 16-dim heads
+        text_encoder = Qwen2_5_VLForConditionalGeneration(
+            Qwen2_5_VLConfig(
+                text_config=dict(
+                    vocab_size=384,
+                    hidden_size=32,
+                    intermediate_size=64,
+                    num_hidden_layers=1,
+                    num_attention_heads=2,
+                    num_key_value_heads=2,
+                    max_position_embeddings=2048,
+                    rope_parameters=rope,
+                    pad_token_id=0,
+                    bos_token_id=None,
+                    eos_token_id=1,
+                ),
+                vision_config=dict(
+                    depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=32,
+                    fullatt_block_indexes=[0],
+                ),
+            )
+        )  # fmt: skip
+        vae = AutoencoderKLQwenImage(
+            base_dim=8,
+            z_dim=4,
+            dim_mult=[1, 1],
+            num_res_blocks=1,
+            temperal_downsample=[False],
+            latents_mean=[0.0] * 4,
+            latents_std=[1.0] * 4,
+        )
+        fit_tiny_vae(vae)  # reconstructs the synthetic shapes; sets the per-channel latents_mean and _std
+        transformer = QwenImageTransformer2DModel(
+            patch_size=2,
+            in_channels=16,
+            out_channels=4,
+            num_layers=2,
+            attention_head_dim=16,
+            num_attention_heads=4,
+            joint_attention_dim=32,
+            axes_dims_rope=(4, 6, 6),
+        )
+    scheduler = FlowMatchEulerDiscreteScheduler(**QWENIMAGE_SCHEDULER)
+    return QwenImagePipeline(
+        scheduler=scheduler, vae=vae, text_encoder=text_encoder, tokenizer=tokenizer, transformer=transformer
+    )
+
+
+# Qwen-Image's scheduler: a shift exp(mu) from the image token count, mu linear from 0.5 at 256 tokens to 0.9 at
+# 8192 (Flux's rule with its own ends); the recipe trains on the same shift (QwenImageFineTune)
+QWENIMAGE_SCHEDULER = dict(
+    shift=1.0,
+    use_dynamic_shifting=True,
+    base_shift=0.5,
+    max_shift=0.9,
+    base_image_seq_len=256,
+    max_image_seq_len=8192,
+    shift_terminal=0.02,
+    time_shift_type="exponential",
+)
+
+
+def fit_prompt_template(pipeline):
+    """QwenImage drops the first ``prompt_template_encode_start_idx`` tokens of its encoded template: 34, its
+    system prompt's length in Qwen's tokenizer. For the tiny pipeline's byte tokenizer the same count in bytes,
+    so that what stays is exactly the caption's tokens there too. Other pipelines are returned as they are."""
+    from transformers import ByT5Tokenizer
+
+    template = getattr(pipeline, "prompt_template_encode", None)
+    if template is not None and isinstance(pipeline.tokenizer, ByT5Tokenizer):
+        pipeline.prompt_template_encode_start_idx = len(template.split("{}")[0].encode("utf-8"))
+    return pipeline
+
+
 FAMILIES = {
     "flux": ("FluxPipeline", "FluxTransformer2DModel", build_tiny_pipeline),
     "wan": ("WanPipeline", "WanTransformer3DModel", build_tiny_wan_pipeline),
     "wan_i2v": ("WanImageToVideoPipeline", "WanTransformer3DModel", build_tiny_wan_i2v_pipeline),
     "hunyuan": ("HunyuanVideoPipeline", "HunyuanVideoTransformer3DModel", build_tiny_hunyuan_pipeline),
+    "qwenimage": ("QwenImagePipeline", "QwenImageTransformer2DModel", build_tiny_qwenimage_pipeline),
 }
 
 
@@ -270,7 +363,7 @@ def load_pipeline(family: str, pretrained: str, cache_dir: str | Path, **kwargs)
     import diffusers
 
     cls = getattr(diffusers, FAMILIES[family][0])
-    return cls.from_pretrained(resolve_pretrained(family, pretrained, cache_dir), **kwargs)
+    return fit_prompt_template(cls.from_pretrained(resolve_pretrained(family, pretrained, cache_dir), **kwargs))
 
 
 def load_encoders(family: str, pretrained: str, cache_dir: str | Path, **kwargs):
@@ -281,7 +374,7 @@ def load_encoders(family: str, pretrained: str, cache_dir: str | Path, **kwargs)
     cls = getattr(diffusers, FAMILIES[family][0])
     path = resolve_pretrained(family, pretrained, cache_dir)
     slots = {name: None for name in ("transformer", "transformer_2") if name in cls.load_config(path)}
-    return cls.from_pretrained(path, **slots, **kwargs)
+    return fit_prompt_template(cls.from_pretrained(path, **slots, **kwargs))
 
 
 def load_transformer(family: str, pretrained: str, cache_dir: str | Path, subfolder: str = "transformer", **kwargs):

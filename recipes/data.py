@@ -1,8 +1,8 @@
 """Data for the recipes: a folder of captioned images or videos -> bucketed, cached latents and text.
 
-``FluxData``, ``WanData`` and ``HunyuanData`` are LightningDataModules. ``setup`` (on every rank) finds the media and
-captions (``recipes/media.py``), places each sample (one per image; one or more clips per video) in
-its nearest bucket (``recipes/buckets.py``), prints the bucket table and saves it as ``buckets.csv``
+``FluxData``, ``QwenImageData``, ``WanData`` and ``HunyuanData`` are LightningDataModules. ``setup`` (on every
+rank) finds the media and captions (``recipes/media.py``), places each sample (one per image; one or more clips
+per video) in its nearest bucket (``recipes/buckets.py``), prints the bucket table and saves it as ``buckets.csv``
 in the run folder, then encodes what the cache lacks, spread over all ranks (``recipes/cache.py``);
 rank 0 writes the index. Batches hold one bucket; CP peers get the same batch. ``dry_run=true``
 prints the table with a per-GPU memory estimate and exits before encoding anything.
@@ -40,6 +40,7 @@ from recipes.cache import (
     flux_encoder,
     hunyuan_encoder,
     model_fingerprint,
+    qwenimage_encoder,
     todo,
     wan_encoder,
     write_index,
@@ -446,6 +447,37 @@ class FluxData(EncodedData):
 
     def encoder(self, pipeline):
         return flux_encoder(pipeline, self.hparams.max_sequence_length)
+
+
+class QwenImageData(EncodedData):
+    """Captioned images for QwenImage; the arguments of :class:`EncodedData` (``max_sequence_length``: Qwen2.5-VL
+    tokens per caption after the prompt template's system prompt, padded and masked; 512 covers long captions).
+    The text tokens are split across the CP group with the image tokens (they meet in joint attention)."""
+
+    family = "qwenimage"
+
+    def __init__(self, data_dir: str | None = None, *, max_sequence_length: int = 64, **kwargs):
+        # (kwargs pass through untouched: LightningCLI reads the other arguments from EncodedData's signature)
+        if not 1 <= max_sequence_length <= 1024:
+            raise ValueError(
+                f"max_sequence_length must be in [1, 1024] (QwenImage's text limit), got {max_sequence_length}."
+            )
+        super().__init__(data_dir, max_sequence_length=max_sequence_length, **kwargs)
+
+    def geometry(self):
+        from diffusers import AutoencoderKLQwenImage, QwenImageTransformer2DModel
+
+        path = self._pipeline_path()
+        vae = AutoencoderKLQwenImage.load_config(path, subfolder="vae")
+        patch = QwenImageTransformer2DModel.load_config(path, subfolder="transformer")["patch_size"]
+        return 2 ** len(vae["temperal_downsample"]) * patch, 1, 1  # the VAE's downsampling x 2x2 patches
+
+    def tokens(self, bucket):
+        multiple = self.geometry()[0]
+        return (bucket.height // multiple) * (bucket.width // multiple), self.hparams.max_sequence_length
+
+    def encoder(self, pipeline):
+        return qwenimage_encoder(pipeline, self.hparams.max_sequence_length)
 
 
 class WanData(EncodedData):

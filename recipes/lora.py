@@ -38,6 +38,7 @@ BASE_MODEL_VERSIONS = {
     "wan": "wan",
     "wan_i2v": "wan",
     "hunyuan": "hunyuan_video",
+    "qwenimage": "qwen_image",
 }  # kohya's ss_base_model_version
 
 # Flux: diffusers module (under a block) -> (original layer, member index, members of the fused layer)

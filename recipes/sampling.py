@@ -1,11 +1,11 @@
 """Validation samples during training, rendered by the real pipeline with the transformer still context parallel.
 
-:class:`SampleFlux` / :class:`SampleWan` / :class:`SampleHunyuan` render fixed prompts with fixed seeds (prompt i
-uses seed + i) at step 0 (the baseline), every ``every_n_steps`` and at the end of training. Every rank takes part: the
-training transformer (LoRA and all, parallelized by the strategy) is the pipeline's transformer, so each
-rank of a CP group runs the denoising loop on its sequence shard (a 720p video is sampled by the whole
-group), and the data-parallel groups split the prompts. The pipeline's text encoders run once, at the
-start, and are then dropped; only the VAE stays.
+:class:`SampleFlux` / :class:`SampleQwenImage` / :class:`SampleWan` / :class:`SampleHunyuan` render fixed prompts
+with fixed seeds (prompt i uses seed + i) at step 0 (the baseline), every ``every_n_steps`` and at the end of
+training. Every rank takes part: the training transformer (LoRA and all, parallelized by the strategy) is the
+pipeline's transformer, so each rank of a CP group runs the denoising loop on its sequence shard (a 720p video is
+sampled by the whole group), and the data-parallel groups split the prompts. The pipeline's text encoders run once,
+at the start, and are then dropped; only the VAE stays.
 
 Results: ``<out_dir>/samples/step_<N>.png`` (one row per prompt; a video row shows its frames),
 ``step_<N>.mp4`` for videos, ``<out_dir>/samples.png`` (every sampled step side by side, the step-0
@@ -37,10 +37,11 @@ class Samples(L.Callback):
         num_inference_steps: denoising steps.
         guidance_scale: classifier-free guidance for Wan (default 5.0); the distilled guidance value of Flux
             (3.5) and HunyuanVideo (6.0).
-        negative_prompt: the negative prompt of classifier-free guidance (Wan; HunyuanVideo with
+        negative_prompt: the negative prompt of classifier-free guidance (Wan; HunyuanVideo and QwenImage with
             ``true_cfg_scale``).
-        true_cfg_scale: HunyuanVideo's classifier-free guidance against ``negative_prompt`` (two transformer
-            passes per step), on above 1.0; its distilled guidance stays ``guidance_scale``.
+        true_cfg_scale: classifier-free guidance against ``negative_prompt`` (two transformer passes per step),
+            on above 1.0: QwenImage's guidance (its pipeline's default is 4.0), and HunyuanVideo's on top of its
+            distilled ``guidance_scale``.
         max_sequence_length: text tokens per prompt.
         seed: seed of the first prompt.
         fps: frame rate of the video files.
@@ -75,10 +76,15 @@ class Samples(L.Callback):
             raise ValueError(
                 f"samples.true_cfg_scale must be >= 1.0 (1.0: no classifier-free guidance), got {true_cfg_scale}."
             )
-        if true_cfg_scale != 1.0 and self.family != "hunyuan":
+        if true_cfg_scale != 1.0 and self.family not in ("hunyuan", "qwenimage"):
             raise ValueError(
-                f"samples.true_cfg_scale is HunyuanVideo's; the {self.family} samples take guidance_scale "
-                "(Wan: classifier-free guidance with negative_prompt; Flux: distilled guidance)."
+                f"samples.true_cfg_scale is HunyuanVideo's and QwenImage's; the {self.family} samples take "
+                "guidance_scale (Wan: classifier-free guidance with negative_prompt; Flux: distilled guidance)."
+            )
+        if guidance_scale is not None and self.family == "qwenimage":
+            raise ValueError(
+                "samples.guidance_scale: QwenImage has no distilled guidance; its classifier-free guidance is "
+                "samples.true_cfg_scale (e.g. 4.0) with samples.negative_prompt."
             )
         self.true_cfg = true_cfg_scale
         self.out_dir = Path(out_dir)
@@ -224,6 +230,41 @@ class SampleFlux(Samples):
         return image[:1].astype(np.float32)  # 1, H, W, 3
 
 
+class SampleQwenImage(Samples):
+    __doc__ = Samples.__doc__
+    family = "qwenimage"
+
+    def encode(self, pipeline, prompt):
+        from recipes.components import fit_prompt_template
+
+        fit_prompt_template(pipeline)  # (a pipeline loaded here already is)
+
+        def encode(text):  # the embeddings and their mask (the pipeline gives None for one unpadded prompt)
+            embeds, mask = pipeline.encode_prompt(text, max_sequence_length=self.max_sequence_length)
+            ones = torch.ones(embeds.shape[:2], dtype=torch.long, device=embeds.device)
+            return embeds, ones if mask is None else mask
+
+        embeds, mask = encode(prompt)
+        out = {"prompt_embeds": embeds, "prompt_embeds_mask": mask}
+        if self.true_cfg > 1.0:  # classifier-free guidance against the negative prompt ("" is unconditional)
+            negative, negative_mask = encode(self.negative_prompt)
+            out.update(
+                negative_prompt_embeds=negative, negative_prompt_embeds_mask=negative_mask, true_cfg_scale=self.true_cfg
+            )
+        return out
+
+    def render(self, pipeline, embeds, seed):
+        image = pipeline(
+            **embeds,
+            height=self.height,
+            width=self.width,
+            num_inference_steps=self.steps,
+            generator=torch.Generator().manual_seed(seed),
+            output_type="np",
+        ).images
+        return image[:1].astype(np.float32)  # 1, H, W, 3
+
+
 class VideoSamples(Samples):
     """What the video pipelines (Wan, HunyuanVideo) share: one call renders a clip of ``num_frames``."""
 
@@ -279,7 +320,7 @@ class SampleHunyuan(VideoSamples):
         return out
 
 
-SAMPLERS = {"flux": SampleFlux, "wan": SampleWan, "hunyuan": SampleHunyuan}
+SAMPLERS = {"flux": SampleFlux, "qwenimage": SampleQwenImage, "wan": SampleWan, "hunyuan": SampleHunyuan}
 
 
 def render_grid(sampler: Samples, pipeline, path: Path) -> None:

@@ -29,6 +29,7 @@ REAL = {
     "wan2.1_i2v_14b_lora_480p_cp4.yaml": "wan2.1-i2v-14b-transformer.json",
     "wan2.1_i2v_14b_lora_720p_cp8.yaml": "wan2.1-i2v-14b-transformer.json",
     "wan2.2_i2v_a14b_lora_cp8.yaml": "wan2.2-i2v-a14b-transformer.json",
+    "qwen_image_lora_1328_cp4.yaml": "qwen-image-transformer.json",
 }
 PARAMS = {
     "flux1-dev-transformer.json": (11.5e9, 12.5e9),
@@ -39,6 +40,7 @@ PARAMS = {
     "hunyuanvideo-transformer.json": (12.5e9, 13.2e9),
     "wan2.1-i2v-14b-transformer.json": (16.0e9, 16.8e9),  # with the image cross-attention's key/value projections
     "wan2.2-i2v-a14b-transformer.json": (13.5e9, 14.5e9),  # one of its two experts
+    "qwen-image-transformer.json": (20.0e9, 20.8e9),
 }
 VAE_SPATIAL = {"wan2.2-ti2v-5b-transformer.json": 16}  # Wan2.2's VAE; the others downsample 8x
 # the presets of the training issue state a memory figure that the shared estimate must reproduce
@@ -50,21 +52,22 @@ PRESETS = {
     "wan2.1_i2v_14b_lora_480p_cp4.yaml",
     "wan2.1_i2v_14b_lora_720p_cp8.yaml",
     "wan2.2_i2v_a14b_lora_cp8.yaml",
+    "qwen_image_lora_1328_cp4.yaml",
 }
 
 
 def family(config: Path) -> str:
-    return next(
-        (f for f in ("wan_i2v", "wan", "hunyuan", "kontext") if f in config.name.replace("i2v", "wan_i2v")), "flux"
-    )
+    name = config.name.replace("i2v", "wan_i2v").replace("qwen_image", "qwenimage")
+    return next((f for f in ("wan_i2v", "wan", "hunyuan", "kontext", "qwenimage") if f in name), "flux")
 
 
 def recipe(config: Path):
     """The (module, data) classes of a config's recipe."""
-    from recipes.data import FluxData, HunyuanData, WanData
+    from recipes.data import FluxData, HunyuanData, QwenImageData, WanData
     from recipes.flux import FluxFineTune
     from recipes.flux_kontext import FluxKontextData, FluxKontextFineTune
     from recipes.hunyuan import HunyuanFineTune
+    from recipes.qwenimage import QwenImageFineTune
     from recipes.wan import WanFineTune
     from recipes.wan_i2v import WanI2VData, WanI2VFineTune
 
@@ -74,6 +77,7 @@ def recipe(config: Path):
         "wan": (WanFineTune, WanData),
         "wan_i2v": (WanI2VFineTune, WanI2VData),
         "hunyuan": (HunyuanFineTune, HunyuanData),
+        "qwenimage": (QwenImageFineTune, QwenImageData),
     }[family(config)]
 
 
@@ -120,9 +124,10 @@ def test_real_config_fits_its_architecture(config):
         height, width = data["resolution"] // factor, data.get("width", data["resolution"]) // factor
     tokens = (height // 2) * (width // 2)  # 2x2 patches
     kind = family(ROOT / "configs" / config)
-    if kind != "flux":
+    if kind not in ("flux", "qwenimage"):
         tokens *= (data["num_frames"] - 1) // 4 + 1  # Wan's and HunyuanVideo's VAEs: 4x temporal, first frame kept
-    split_text = data["max_sequence_length"] if not kind.startswith("wan") else 0  # Flux and HunyuanVideo split text
+    # Flux, QwenImage and HunyuanVideo split the text too
+    split_text = data["max_sequence_length"] if not kind.startswith("wan") else 0
     assert split_text % cp == 0
     text = (ROOT / "configs" / config).read_text()
     if not data.get("aspect_ratios"):

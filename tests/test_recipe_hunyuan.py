@@ -170,5 +170,6 @@ def test_bad_input_is_a_clear_error(runs):
         HunyuanFineTune(guidance_scale=0.0)
     with pytest.raises(ValueError, match=r"true_cfg_scale must be >= 1.0 \(1.0: no classifier-free guidance\)"):
         SampleHunyuan(true_cfg_scale=0.5)
-    with pytest.raises(ValueError, match="true_cfg_scale is HunyuanVideo's; the flux samples take guidance_scale"):
+    only = "true_cfg_scale is HunyuanVideo's and QwenImage's; the flux samples take guidance_scale"
+    with pytest.raises(ValueError, match=only):
         SampleFlux(true_cfg_scale=2.0)

@@ -21,7 +21,7 @@ import torch
 from tests.distributed import spawn
 from tests.test_recipes import ROOT, losses, run_recipe
 
-FAMILIES = ("flux", "wan", "hunyuan")  # the recipes whose CP-rendered samples are compared
+FAMILIES = ("flux", "wan", "hunyuan", "qwenimage")  # the recipes whose CP-rendered samples are compared
 COMMON = (
     "--trainer.max_steps=6",
     "--samples.every_n_steps=2",
@@ -92,6 +92,9 @@ def _render(pipe, family: str = "flux", prompt_index: int = 0, steps: int = 2, c
         "wan": {"num_frames": 4, "prompts": ["a red circle moving right"]},
         # 23 of 48 tokens text
         "hunyuan": {"num_frames": 5, "prompts": ["a red circle"], "max_sequence_length": 48, **hunyuan_cfg},
+        # QwenImage: classifier-free guidance 4.0 against a negative prompt of another text length (46 and 48
+        # text tokens, split with the 64 image tokens)
+        "qwenimage": {"true_cfg_scale": 4.0, "negative_prompt": "a blurry image", "max_sequence_length": 64},
     }[family]
     sampler = SAMPLERS[family](num_inference_steps=steps, **extra)
     with torch.no_grad():
@@ -173,7 +176,7 @@ def _sample_two_experts(rank, world, cache, path):
 
 
 def _cp_render(rank, world, cache, two_experts=None):
-    """Flux, Wan and HunyuanVideo samples of a perturbed tiny base (all layers matter), at cp=world; the
+    """Flux, Wan, HunyuanVideo and QwenImage samples of a perturbed tiny base (all layers matter), at cp=world; the
     two-expert Wan2.2 sample through recipes.sampling when its pipeline's path is given."""
     from cp_lightning import build_mesh, parallelize
     from recipes.components import load_pipeline

@@ -25,12 +25,14 @@ GEOMETRY = {
     "WanTransformer3DModel": (16, 4, 1),
     "HunyuanVideoTransformer3DModel": (16, 4, 1),
     "FluxTransformer2DModel": (16, 1, 1),
+    "QwenImageTransformer2DModel": (16, 1, 1),
 }
 GEOMETRY_TI2V = (32, 4, 1)  # Wan2.2 TI2V-5B's VAE compresses 16x spatially
 FAMILY_OF = {
     "WanTransformer3DModel": "wan",
     "HunyuanVideoTransformer3DModel": "hunyuan",
     "FluxTransformer2DModel": "flux",
+    "QwenImageTransformer2DModel": "qwenimage",
 }
 
 
@@ -82,7 +84,7 @@ def read_recipe(path: str | Path, model: str | None = None) -> Recipe:
     spec = resolve_model(name)
     cls = spec.family.cls
     if cls not in FAMILY_OF:
-        raise ValueError(f"{path}: the recipes train Flux, Wan and HunyuanVideo, not {cls}.")
+        raise ValueError(f"{path}: the recipes train Flux, QwenImage, Wan and HunyuanVideo, not {cls}.")
     geometry = GEOMETRY_TI2V if spec.name == "wan2.2-ti2v-5b" else GEOMETRY[cls]
     buckets, note = _buckets(FAMILY_OF[cls], data, geometry)
     devices = trainer.get("devices", 1)
@@ -111,7 +113,12 @@ def read_recipe(path: str | Path, model: str | None = None) -> Recipe:
 def _buckets(family: str, data: dict, geometry: tuple[int, int, int]) -> tuple[list[dict], str]:
     from recipes import data as recipe_data
 
-    cls = {"wan": recipe_data.WanData, "hunyuan": recipe_data.HunyuanData, "flux": recipe_data.FluxData}[family]
+    cls = {
+        "wan": recipe_data.WanData,
+        "hunyuan": recipe_data.HunyuanData,
+        "flux": recipe_data.FluxData,
+        "qwenimage": recipe_data.QwenImageData,
+    }[family]
     kwargs = {k: v for k, v in data.items() if k not in ("dry_run",)}
     if kwargs.get("batch_size") == "auto":
         kwargs["batch_size"] = 1
