@@ -286,8 +286,8 @@ def build_tiny_qwenimage_pipeline(seed: int = 0):
                 ),
             )
         )  # fmt: skip
-        vae = AutoencoderKLQwenImage(
-            base_dim=8,
+        vae = AutoencoderKLQwenImage(  # 32 channels: narrower ones lose the shapes' colours in the fit
+            base_dim=32,
             z_dim=4,
             dim_mult=[1, 1],
             num_res_blocks=1,

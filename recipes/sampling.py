@@ -245,12 +245,11 @@ class SampleQwenImage(Samples):
             return embeds, ones if mask is None else mask
 
         embeds, mask = encode(prompt)
-        out = {"prompt_embeds": embeds, "prompt_embeds_mask": mask}
+        # (the pipeline's own default is 4.0: passed always, so that 1.0 means no guidance, without a warning)
+        out = {"prompt_embeds": embeds, "prompt_embeds_mask": mask, "true_cfg_scale": self.true_cfg}
         if self.true_cfg > 1.0:  # classifier-free guidance against the negative prompt ("" is unconditional)
             negative, negative_mask = encode(self.negative_prompt)
-            out.update(
-                negative_prompt_embeds=negative, negative_prompt_embeds_mask=negative_mask, true_cfg_scale=self.true_cfg
-            )
+            out.update(negative_prompt_embeds=negative, negative_prompt_embeds_mask=negative_mask)
         return out
 
     def render(self, pipeline, embeds, seed):
