@@ -157,6 +157,26 @@ def test_one_process_trains_like_the_cp2_group(runs, tmp_path):
     assert losses(single) == pytest.approx(losses(runs["straight"])[:2], abs=1e-5)
 
 
+def test_training_times_are_shifted_as_the_pipelines_scheduler_samples(runs):
+    """resolution_shift (QwenImage's default) is the scheduler's exp(mu) for the image token count, with the
+    scheduler's own ends: 1328 px (6889 tokens) gives s = 2.30, where Flux's ends would give 5.07."""
+    import math
+
+    from diffusers.pipelines.qwenimage.pipeline_qwenimage import calculate_shift
+
+    from recipes import training
+    from recipes.qwenimage import QwenImageFineTune
+
+    config = _pipeline(runs).scheduler.config
+    ends = [config[k] for k in ("base_image_seq_len", "max_image_seq_len", "base_shift", "max_shift")]
+    for tokens in (64, 4096, 6889):
+        expected = math.exp(calculate_shift(tokens, *ends))
+        assert training.flux_shift(tokens, QwenImageFineTune.shift_range) == pytest.approx(expected, rel=1e-12)
+    assert training.flux_shift(6889, QwenImageFineTune.shift_range) == pytest.approx(2.303, abs=1e-3)
+    assert training.flux_shift(6889) == pytest.approx(5.067, abs=1e-3)  # Flux's ends
+    assert QwenImageFineTune().hparams.resolution_shift
+
+
 def test_the_tiny_vae_reconstructs_shapes_it_never_saw(runs):
     """The tiny pipeline's VAE is fitted to the synthetic shapes (recipes/tiny_vae.py), so its samples show what
     the transformer learned; its per-channel latents_mean and latents_std standardise the latents."""
