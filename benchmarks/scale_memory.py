@@ -15,7 +15,11 @@ rank 0, Lightning's launcher starts the others as its children), polled every ``
 same peak of the same run with the tiny model (the baseline: Python, torch, Lightning, the data and the text
 encoders), over the model's bytes in its training dtype (``weights_dtype``). Not VmHWM: safetensors maps the
 files copy-on-write, so pages of a file read in its own dtype are shared file pages, not the rank's own memory.
-The rank processes run with ``MALLOC_MMAP_THRESHOLD_=65536`` (glibc otherwise keeps freed blocks resident).
+The rank processes run with ``MALLOC_MMAP_THRESHOLD_=65536`` (glibc otherwise keeps freed blocks resident) and
+with oneDNN's and ideep's caches of matmul plans capped at 16 entries (``ONEDNN_PRIMITIVE_CACHE_CAPACITY``,
+``LRU_CACHE_CAPACITY``; ``--onednn-caches default`` keeps their defaults of 1024): bf16 matmuls on CPU go through
+oneDNN, which keeps one plan per distinct matmul shape, about 40 MiB in a bf16 run of this model (measured with
+memray), memory a CUDA run does not hold on the host; fp32 matmuls use BLAS and keep none.
 "frozen base" is the bytes of the frozen parameters and buffers the rank holds once training starts (local
 shards under FSDP), over what the same parameters take in bf16 on that rank (whole model, or 1/world of it).
 
@@ -45,6 +49,7 @@ from benchmarks.rss import mem_info, run_polled  # noqa: E402
 ROOT = common.ROOT
 CP = 2
 GiB = 2**30
+ONEDNN_CACHE = "16"  # entries in oneDNN's and ideep's plan caches of the rank processes (default 1024 each)
 
 
 @dataclass(frozen=True)
@@ -225,6 +230,19 @@ def recipe_command(
     ]
 
 
+def rank_env(onednn_caches: str = "capped") -> dict[str, str]:
+    """The environment of the measured recipe runs (the module's docstring says why each setting)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+    env["MALLOC_MMAP_THRESHOLD_"] = common.MMAP_THRESHOLD  # read by glibc at process start
+    if onednn_caches == "capped":  # read at the first oneDNN matmul
+        env.update(ONEDNN_PRIMITIVE_CACHE_CAPACITY=ONEDNN_CACHE, LRU_CACHE_CAPACITY=ONEDNN_CACHE)
+    else:
+        for key in ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY"):
+            env.pop(key, None)
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    return env
+
+
 def measure(name: str, mode: Mode, *, world: int, pretrained: str, args) -> dict:
     run = args.out / "runs" / f"world{world}_{name}"
     shutil.rmtree(run, ignore_errors=True)
@@ -233,10 +251,14 @@ def measure(name: str, mode: Mode, *, world: int, pretrained: str, args) -> dict
         mode, world=world, pretrained=pretrained, run=run, cache=args.cache, held=held, lora_rank=args.lora_rank
     )
     print(f"world {world}: {name} ({mode.label}) ...", file=sys.stderr, flush=True)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
-    env["MALLOC_MMAP_THRESHOLD_"] = common.MMAP_THRESHOLD  # read by glibc at process start
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-    result = run_polled(cmd, env=env, cwd=ROOT, log=run / "log.txt", timeout=args.timeout, interval=args.interval)
+    result = run_polled(
+        cmd,
+        env=rank_env(args.onednn_caches),
+        cwd=ROOT,
+        log=run / "log.txt",
+        timeout=args.timeout,
+        interval=args.interval,
+    )
     result["held"] = {}
     for path in held.glob("rank*.json"):
         data = json.loads(path.read_text())
@@ -290,7 +312,7 @@ def _per_rank(values, fmt: str) -> str:
     return " / ".join("-" if v is None else format(v, fmt) for v in values)
 
 
-def render(world: int, rows: list[dict], param_count: int, baselines: dict) -> str:
+def render(world: int, rows: list[dict], param_count: int, baselines: dict, caches: str = "capped") -> str:
     headers = [
         "mode",
         "path",
@@ -330,7 +352,9 @@ def render(world: int, rows: list[dict], param_count: int, baselines: dict) -> s
     note = (
         f"world {world} (cp {CP} x dp {world // CP}), {param_count / 1e6:.1f}M-parameter Flux transformer "
         f"({param_count * 4 / common.MiB:.0f} MiB fp32, {param_count * 2 / common.MiB:.0f} MiB bf16); "
-        f"{lora}tiny-model baseline peak RssAnon per rank: {base}; {common.machine_line(common.device())}"
+        f"{lora}tiny-model baseline peak RssAnon per rank: {base}; oneDNN/ideep plan caches "
+        f"{ONEDNN_CACHE + ' entries' if caches == 'capped' else 'at their defaults'}; "
+        f"{common.machine_line(common.device())}"
     )
     return note + "\n\n" + common.table(headers, body)
 
@@ -370,6 +394,12 @@ def parse(argv=None):
     parser.add_argument("--out", type=Path, default=ROOT / "outputs" / "scale_memory", help="model folders, runs")
     parser.add_argument("--cache", type=Path, default=None, help="tiny pipeline and data cache (default: OUT/cache)")
     parser.add_argument("--keep", action="store_true", help="keep the model folders (reused by the next run)")
+    parser.add_argument(
+        "--onednn-caches",
+        choices=("capped", "default"),
+        default="capped",
+        help=f"oneDNN/ideep matmul plan caches in the ranks: {ONEDNN_CACHE} entries, or their default 1024",
+    )
     parser.add_argument("--interval", type=float, default=0.02, help="RSS polling period, seconds")
     parser.add_argument("--timeout", type=float, default=900, help="seconds per recipe run")
     args = parser.parse_args(argv)
@@ -407,7 +437,7 @@ def main(argv=None) -> dict:
             results[key] = measure(key, mode, world=world, pretrained=str(folders[mode.files]), args=args)
         rows = rows_for_world(world, results, baselines, param_count)
         all_rows += rows
-        tables.append(render(world, rows, param_count, baselines))
+        tables.append(render(world, rows, param_count, baselines, args.onednn_caches))
         print("\n" + tables[-1] + "\n", flush=True)
     if not args.keep:
         for folder in folders.values():

@@ -209,6 +209,19 @@ def test_scale_memory_marks_options_this_checkout_lacks():
     assert scale_memory.available(scale_memory.MODES["ddp"], set())
 
 
+def test_scale_memory_caps_onednn_plan_caches_unless_told_not_to(monkeypatch):
+    from benchmarks import scale_memory
+
+    monkeypatch.setenv("LRU_CACHE_CAPACITY", "999")
+    capped = scale_memory.rank_env()
+    assert capped["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == capped["LRU_CACHE_CAPACITY"] == scale_memory.ONEDNN_CACHE
+    assert capped["MALLOC_MMAP_THRESHOLD_"] == "65536" and capped["OMP_NUM_THREADS"] == "1"
+    default = scale_memory.rank_env("default")
+    assert "LRU_CACHE_CAPACITY" not in default and "ONEDNN_PRIMITIVE_CACHE_CAPACITY" not in default
+    assert scale_memory.parse(["--onednn-caches", "default"]).onednn_caches == "default"
+    assert scale_memory.parse([]).onednn_caches == "capped"
+
+
 def test_dynamic_cp_benchmark_trains_the_same_samples_in_every_configuration(capsys):
     from benchmarks import dynamic_cp
 
