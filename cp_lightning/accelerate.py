@@ -70,7 +70,7 @@ class ContextParallel:
             DDP (same gradient math). Pass the model and its optimizer to the same ``prepare`` call (the
             optimizer is pointed at the sharded parameters) or create the optimizer afterwards from
             ``model.parameters()``. ``mixed_precision="bf16"`` gathers parameters in bf16, reduces in fp32.
-        reshard_after_forward, cpu_offload, hsdp, fsdp_blocks: FSDP options, as for
+        reshard_after_forward, cpu_offload, hsdp, fsdp_blocks, fsdp_units: FSDP options, as for
             :class:`cp_lightning.ContextParallelStrategy`.
         compile: compile the prepared models' repeated blocks with ``torch.compile(fullgraph=True)`` after
             parallelizing and before DDP: True, or a dict of ``torch.compile`` arguments
@@ -111,6 +111,7 @@ class ContextParallel:
         cpu_offload: bool = False,
         hsdp: bool = False,
         fsdp_blocks: Sequence[str] | None = None,
+        fsdp_units: str = "blocks",
         compile: bool | Mapping = False,
         timeout: timedelta | float | None = None,
         activation_offload: bool = False,
@@ -122,9 +123,15 @@ class ContextParallel:
         data_parallel.check_cp_options(cp, ring, plan, kernel, check_steps)
         self.timeout = faults.check_timeout(timeout) if timeout is not None else None
         self.fsdp_options = sharding.fsdp_options(
-            fsdp, reshard_after_forward=reshard_after_forward, cpu_offload=cpu_offload, hsdp=hsdp, blocks=fsdp_blocks
+            fsdp,
+            reshard_after_forward=reshard_after_forward,
+            cpu_offload=cpu_offload,
+            hsdp=hsdp,
+            blocks=fsdp_blocks,
+            units=fsdp_units,
         )
         self.compile = compile_options(compile)  # None when off
+        sharding.check_fsdp_compile(self.fsdp_options, self.compile)
         self.activation_offload = offload.check_offload_option(activation_offload, compile=self.compile)
         self.dynamic_cp, self.dynamic = bool(dynamic_cp), None  # the DynamicCP, built when the model is prepared
         if dynamic_cp:

@@ -34,9 +34,14 @@ class ContextParallelAdapter:
         self._mesh: DeviceMesh | None = None
         self.fsdp_options: sharding.FSDPOptions | None = None
 
-    def _init_fsdp(self, fsdp, reshard_after_forward, cpu_offload, hsdp, fsdp_blocks) -> None:
+    def _init_fsdp(self, fsdp, reshard_after_forward, cpu_offload, hsdp, fsdp_blocks, fsdp_units="blocks") -> None:
         self.fsdp_options = sharding.fsdp_options(
-            fsdp, reshard_after_forward=reshard_after_forward, cpu_offload=cpu_offload, hsdp=hsdp, blocks=fsdp_blocks
+            fsdp,
+            reshard_after_forward=reshard_after_forward,
+            cpu_offload=cpu_offload,
+            hsdp=hsdp,
+            blocks=fsdp_blocks,
+            units=fsdp_units,
         )
 
     @property
@@ -83,6 +88,7 @@ class ContextParallelAdapter:
 
     def _init_compile(self, compile, activation_offload=False) -> None:
         self.compile = compile_options(compile)  # None when off; checked before any process starts
+        sharding.check_fsdp_compile(self.fsdp_options, self.compile)
         self.activation_offload = offload.check_offload_option(activation_offload, compile=self.compile)
 
     def _compile(self, root: nn.Module) -> None:

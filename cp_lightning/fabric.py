@@ -47,6 +47,7 @@ class FabricContextParallelStrategy(ContextParallelAdapter, FabricDDPStrategy):
         cpu_offload: bool = False,
         hsdp: bool = False,
         fsdp_blocks: Sequence[str] | None = None,
+        fsdp_units: str = "blocks",
         compile: bool | Mapping = False,
         timeout: timedelta | float | None = None,
         nonfinite: str = "raise",
@@ -66,7 +67,7 @@ class FabricContextParallelStrategy(ContextParallelAdapter, FabricDDPStrategy):
                 "takes cp='auto'."
             )
         self._init_cp(cp, ring, plan, loss_parallel, kernel, allow_cross_node, check_steps)
-        self._init_fsdp(fsdp, reshard_after_forward, cpu_offload, hsdp, fsdp_blocks)
+        self._init_fsdp(fsdp, reshard_after_forward, cpu_offload, hsdp, fsdp_blocks, fsdp_units)
         self._init_compile(compile, activation_offload)
         self._init_dynamic(dynamic_cp, min_tokens_per_rank, dynamic_weighting)
         self._init_timeout(timeout, kwargs)

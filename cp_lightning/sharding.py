@@ -25,6 +25,8 @@ __all__ = [
     "FSDPOptions",
     "fsdp_options",
     "fsdp_blocks",
+    "block_units",
+    "check_fsdp_compile",
     "check_fsdp_model",
     "is_sharded",
     "apply_fsdp",
@@ -35,6 +37,9 @@ __all__ = [
     "export_lora",
     "check_checkpoint_layout",
 ]
+
+
+UNITS = ("blocks", "children")
 
 
 @dataclass(frozen=True)
@@ -50,6 +55,13 @@ class FSDPOptions:
             groups do) instead of sharding over the whole dp x cp world.
         blocks: class names of the repeated blocks, one FSDP unit each; by default the model's diffusers
             ``_repeated_blocks`` (or ``_no_split_modules``).
+        units: ``"blocks"``: one FSDP unit per block (a block's parameters are gathered together);
+            ``"children"``: one unit per direct submodule of each block that holds parameters (attention,
+            feed-forward, norms; the elements of a ModuleList child), plus the block for its own parameters.
+            Smaller gathers (a Flux double block's largest child is 2/9 of it) for more, smaller
+            collectives: the lever when a gathered block is what does not fit (docs/memory.md). Each child
+            must be called through its ``forward`` (FSDP gathers in its hooks); not with ``compile=``, which
+            compiles whole blocks with ``fullgraph=True``.
         param_dtype: dtype parameters are gathered in for compute (bf16 mixed precision); gradients are
             reduced in float32 whenever it is set.
     """
@@ -59,6 +71,7 @@ class FSDPOptions:
     hsdp: bool = False
     blocks: tuple[str, ...] | None = None
     param_dtype: torch.dtype | None = None
+    units: str = "blocks"
 
     def __post_init__(self) -> None:
         for name in ("reshard_after_forward", "cpu_offload", "hsdp"):
@@ -70,6 +83,8 @@ class FSDPOptions:
             object.__setattr__(self, "blocks", tuple(self.blocks))
             if not self.blocks:
                 raise ValueError("fsdp_blocks is empty; name the block classes to shard, or leave it unset.")
+        if self.units not in UNITS:
+            raise ValueError(f"fsdp_units must be one of {list(UNITS)}, got {self.units!r}.")
 
 
 def fsdp_options(
@@ -79,6 +94,7 @@ def fsdp_options(
     cpu_offload: bool = False,
     hsdp: bool = False,
     blocks: Sequence[str] | None = None,
+    units: str = "blocks",
 ) -> FSDPOptions | None:
     """The adapters' keyword arguments -> :class:`FSDPOptions` (or None for DDP); refuses FSDP-only options
     without ``fsdp=True`` rather than ignoring them."""
@@ -87,11 +103,38 @@ def fsdp_options(
     if not fsdp:
         given = {"hsdp": hsdp, "cpu_offload": cpu_offload, "fsdp_blocks": blocks}
         given["reshard_after_forward=False"] = not reshard_after_forward
+        given[f"fsdp_units={units!r}"] = units != "blocks"
         used = [k for k, v in given.items() if v]
         if used:
             raise ValueError(f"{', '.join(used)} only apply with fsdp=True; pass fsdp=True or drop them.")
         return None
-    return FSDPOptions(reshard_after_forward, cpu_offload, hsdp, blocks)
+    return FSDPOptions(reshard_after_forward, cpu_offload, hsdp, blocks, units=units)
+
+
+def check_fsdp_compile(options: FSDPOptions | None, compile_options: dict | None) -> None:
+    """``fsdp_units="children"`` puts FSDP's gather hooks inside each block, which ``compile=`` traces whole
+    with ``fullgraph=True``: refused at construction."""
+    if options is not None and options.units == "children" and compile_options is not None:
+        raise ValueError(
+            "fsdp_units='children' shards inside each block, and compile= compiles whole blocks with "
+            "fullgraph=True (FSDP's gathers would break the graph); use fsdp_units='blocks' with compile=, or "
+            "drop compile= to shard blocks' children."
+        )
+
+
+def block_units(block: nn.Module) -> list[nn.Module]:
+    """The FSDP units inside ``block`` under ``fsdp_units="children"``: each direct submodule that holds
+    parameters, the elements of a ModuleList or ModuleDict child in its place (containers have no forward
+    to hook)."""
+    units = []
+    for child in block.children():
+        if next(child.parameters(), None) is None:
+            continue
+        if isinstance(child, (nn.ModuleList, nn.ModuleDict)):
+            units += block_units(child)
+        else:
+            units.append(child)
+    return units
 
 
 def fsdp_blocks(target: nn.Module, names: Sequence[str] | None) -> list[nn.Module]:
@@ -169,6 +212,8 @@ def apply_fsdp(
         if is_sharded(target):
             continue
         for block in fsdp_blocks(target, options.blocks):
+            for unit in block_units(block) if options.units == "children" else ():
+                fully_shard(unit, reshard_after_forward=options.reshard_after_forward, **kwargs)
             fully_shard(block, reshard_after_forward=options.reshard_after_forward, **kwargs)
         # the root's parameters are needed first in backward: keep them gathered after forward
         fully_shard(target, reshard_after_forward=False, **kwargs)

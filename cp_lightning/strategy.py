@@ -60,6 +60,9 @@ class ContextParallelStrategy(ContextParallelAdapter, DDPStrategy):
         hsdp: (fsdp) shard inside each CP group and replicate across dp, instead of sharding over dp x cp.
         fsdp_blocks: (fsdp) class names of the blocks to shard one by one; default: the model's diffusers
             ``_repeated_blocks``.
+        fsdp_units: (fsdp) ``"blocks"``: one FSDP unit per block; ``"children"``: one per direct submodule of a
+            block that holds parameters (attention, feed-forward, norms), so a gather holds a part of a block:
+            less memory in flight, more collectives. Not with ``compile=`` (see docs/memory.md).
         compile: compile the parallelized models' repeated blocks with ``torch.compile(fullgraph=True)``:
             True, or a dict of ``torch.compile`` arguments (see ``cp_lightning.compilation``).
         timeout: how long a collective waits for its peers (a ``timedelta`` or seconds), in every group of the
@@ -105,6 +108,7 @@ class ContextParallelStrategy(ContextParallelAdapter, DDPStrategy):
         cpu_offload: bool = False,
         hsdp: bool = False,
         fsdp_blocks: Sequence[str] | None = None,
+        fsdp_units: str = "blocks",
         compile: bool | Mapping = False,
         timeout: timedelta | float | None = None,
         nonfinite: str = "raise",
@@ -116,7 +120,7 @@ class ContextParallelStrategy(ContextParallelAdapter, DDPStrategy):
     ) -> None:
         self._init_cp(cp, ring, plan, loss_parallel, kernel, allow_cross_node, check_steps)
         self._plan_hints = {"tokens": list(tokens) if tokens else None, "gpu_memory": gpu_memory}
-        self._init_fsdp(fsdp, reshard_after_forward, cpu_offload, hsdp, fsdp_blocks)
+        self._init_fsdp(fsdp, reshard_after_forward, cpu_offload, hsdp, fsdp_blocks, fsdp_units)
         self._init_compile(compile, activation_offload)
         self._init_dynamic(dynamic_cp, min_tokens_per_rank, dynamic_weighting)
         self.nonfinite = faults.NonFiniteCheck(nonfinite)

@@ -544,6 +544,10 @@ def test_single_process_errors():
             ContextParallel(accelerator, cp=2, timeout=-1)  # before the layout check: the first thing checked
         with pytest.raises(TypeError, match="timeout must be a datetime.timedelta or seconds"):
             ContextParallel(accelerator, cp=1, timeout="30m")
+        with pytest.raises(ValueError, match=r"fsdp_units must be one of \['blocks', 'children'\]"):
+            ContextParallel(accelerator, cp=1, fsdp=True, fsdp_units="block")
+        with pytest.raises(ValueError, match="fsdp_units='children' shards inside each block, and compile="):
+            ContextParallel(accelerator, cp=1, fsdp=True, fsdp_units="children", compile=True)
     finally:
         AcceleratorState._reset_state()
         GradientState._reset_state()

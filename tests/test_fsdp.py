@@ -41,6 +41,7 @@ def tensors_of(state: dict) -> dict:
 def fit(module_kwargs=None, strategy_kwargs=None, steps=STEPS, samples=None, ckpt_path=None, callbacks=(), **kw):
     """One Lightning fit inside the worker group; returns rank 0's consolidated parameters and recorded losses."""
     import lightning as L
+    from torch.distributed.fsdp import FSDPModule
 
     from cp_lightning import ContextParallelStrategy
     from cp_lightning.sharding import full_state_dict
@@ -68,6 +69,7 @@ def fit(module_kwargs=None, strategy_kwargs=None, steps=STEPS, samples=None, ckp
     state = full_state_dict(module)
     dist.barrier()
     out = {"params": numpy_of(state) if dist.get_rank() == 0 else None}
+    out["units"] = [n for n, m in module.transformer.named_modules() if isinstance(m, FSDPModule)]
     if module_kwargs.get("record_dir"):
         out["losses"] = {r["step"]: r["loss"] for r in read_records(module_kwargs["record_dir"]) if r["rank"] == 0}
     return out
@@ -90,6 +92,7 @@ def lightning_cases(tmp: Path) -> dict:
         "cpu_offload": fit(strategy_kwargs={"cpu_offload": True}),
         "lora": fit({"lora": True, "lr": 0.5}),
         "checkpointing": fit({"checkpointing": True}),
+        "children": fit({"checkpointing": True, "lora": True, "lr": 0.5}, strategy_kwargs={"fsdp_units": "children"}),
         "accumulate": fit(samples=Samples(n=16), steps=3, accumulate_grad_batches=2),
         "adamw_clip": fit({"optimizer": "adamw", "lr": 1e-3}, gradient_clip_val=CLIP),
         "bf16": fit(precision="bf16-mixed"),
@@ -324,6 +327,7 @@ SGD_CASES = {
     "cpu_offload": {},
     "lora": {"lora": True, "lr": 0.5},
     "checkpointing": {"checkpointing": True},
+    "children": {"checkpointing": True, "lora": True, "lr": 0.5},
 }
 
 
@@ -336,6 +340,17 @@ def test_sgd_trajectory_matches_one_process(results, case):
     assert moved > 100 * SGD_TOL
     assert err <= SGD_TOL, (case, err)
     assert update_rel_err(params, ref, start) <= 1e-3  # a cp-times gradient scale error would be ~1
+
+
+def test_fsdp_units_children_shards_each_block_by_its_parts(results):
+    blocks = results[0]["lightning"]["dp2xcp2"]["units"]
+    children = results[0]["lightning"]["children"]["units"]
+    assert "transformer_blocks.0" in blocks and "transformer_blocks.0.attn" not in blocks
+    assert set(blocks) < set(children)
+    for part in ("attn", "ff", "norm1", "norm1_context", "ff_context"):
+        assert f"transformer_blocks.0.{part}" in children, (part, children)
+    for part in ("attn", "proj_mlp", "proj_out", "norm"):
+        assert f"single_transformer_blocks.0.{part}" in children, (part, children)
 
 
 def test_accumulated_gradients_match_one_process(results):
@@ -486,6 +501,16 @@ def test_fsdp_options_are_checked_at_construction():
         ContextParallelStrategy(cp=2, hsdp=True, cpu_offload=True)
     with pytest.raises(TypeError, match="fsdp_blocks must be a list of block class names"):
         ContextParallelStrategy(cp=2, fsdp=True, fsdp_blocks="FluxTransformerBlock")
+    with pytest.raises(ValueError, match=r"fsdp_units must be one of \['blocks', 'children'\], got 'layers'"):
+        ContextParallelStrategy(cp=2, fsdp=True, fsdp_units="layers")
+    with pytest.raises(ValueError, match="fsdp_units='children' only apply with fsdp=True"):
+        ContextParallelStrategy(cp=2, fsdp_units="children")
+    with pytest.raises(ValueError, match="fsdp_units='children' shards inside each block, and compile="):
+        ContextParallelStrategy(cp=2, fsdp=True, fsdp_units="children", compile=True)
+    from cp_lightning import FabricContextParallelStrategy
+
+    with pytest.raises(ValueError, match="fsdp_units='children' only apply with fsdp=True"):
+        FabricContextParallelStrategy(cp=2, fsdp_units="children")
     from lightning.pytorch.plugins.precision import MixedPrecision
 
     fp16 = MixedPrecision("16-mixed", "cpu")  # precision="16-mixed" on a CPU Trainer becomes bf16-mixed
