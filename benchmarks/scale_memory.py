@@ -23,7 +23,9 @@ memray), memory a CUDA run does not hold on the host; fp32 matmuls use BLAS and 
 "frozen base" is the bytes of the frozen parameters and buffers the rank holds once training starts (local
 shards under FSDP), over what the same parameters take in bf16 on that rank (whole model, or 1/world of it).
 
-A mode whose recipe option this checkout lacks prints "n/a (option not available)".
+The ``-children`` modes shard with ``fsdp_units=children`` (one FSDP unit per part of each block, so a smaller
+gather in flight); their baseline is the tiny model's FSDP run with the default units, like the other FSDP rows.
+A mode whose recipe or strategy option this checkout lacks prints "n/a (option not available)".
 """
 
 from __future__ import annotations
@@ -60,7 +62,8 @@ class Mode:
     config: str  # configs/<config>.yaml
     files: str  # "fp32" or "bf16": which copy of the model folder
     weights_dtype: str
-    options: tuple[str, ...] = field(default_factory=tuple)  # extra --model.* options (checked for availability)
+    # extra --model.* and --trainer.strategy.init_args.* options (checked for availability)
+    options: tuple[str, ...] = field(default_factory=tuple)
     precision: str = "32-true"
 
     @property
@@ -70,6 +73,8 @@ class Mode:
 
 BF16 = ("--model.weights_dtype=bfloat16",)
 FP8 = ("--model.base_dtype=float8_e4m3fn",)
+STRATEGY = "--trainer.strategy.init_args."
+CHILDREN = (f"{STRATEGY}fsdp_units=children",)  # one FSDP unit per part of a block (attention, MLP, norm)
 MODES = {
     "ddp": Mode("DDP LoRA, fp32", "tiny_flux_cp2", "fp32", "float32"),
     "ddp-bf16": Mode("DDP LoRA, bf16 from fp32 files", "tiny_flux_cp2", "fp32", "bfloat16", BF16, "bf16-mixed"),
@@ -78,10 +83,19 @@ MODES = {
     "fsdp-fp8": Mode(
         "FSDP LoRA, fp8 base (bf16 files)", "tiny_flux_fsdp_cp2", "bf16", "bfloat16", BF16 + FP8, "bf16-mixed"
     ),
+    "fsdp-children": Mode("FSDP LoRA, fp32, fsdp_units=children", "tiny_flux_fsdp_cp2", "fp32", "float32", CHILDREN),
+    "fsdp-fp8-children": Mode(
+        "FSDP LoRA, fp8 base, fsdp_units=children",
+        "tiny_flux_fsdp_cp2",
+        "bf16",
+        "bfloat16",
+        BF16 + FP8 + CHILDREN,
+        "bf16-mixed",
+    ),
     # not in the default run
     "ddp-bf16-files": Mode("DDP LoRA, bf16 from bf16 files", "tiny_flux_cp2", "bf16", "bfloat16", BF16, "bf16-mixed"),
 }
-DEFAULT_MODES = ("ddp", "ddp-bf16", "ddp-fp8", "fsdp", "fsdp-fp8")
+DEFAULT_MODES = ("ddp", "ddp-bf16", "ddp-fp8", "fsdp", "fsdp-fp8", "fsdp-children", "fsdp-fp8-children")
 NOT_AVAILABLE = "n/a (option not available)"
 
 
@@ -185,15 +199,21 @@ def write_model_folders(out: Path, cache: Path, config: dict) -> dict[str, Path]
 
 
 def model_options() -> set[str]:
-    """The ``--model.*`` options this checkout's Flux recipe accepts."""
+    """The ``--model.*`` options this checkout's Flux recipe accepts, and its strategy's (``strategy.<name>``)."""
+    from cp_lightning import ContextParallelStrategy
     from recipes.finetune import FlowMatchingFineTune
     from recipes.flux import FluxFineTune
 
-    return {n for cls in (FluxFineTune, FlowMatchingFineTune) for n in inspect.signature(cls.__init__).parameters}
+    names = {n for cls in (FluxFineTune, FlowMatchingFineTune) for n in inspect.signature(cls.__init__).parameters}
+    return names | {f"strategy.{n}" for n in inspect.signature(ContextParallelStrategy.__init__).parameters}
 
 
 def available(mode: Mode, options: set[str]) -> bool:
-    return all(opt.split("=")[0].removeprefix("--model.") in options for opt in mode.options)
+    def name(opt: str) -> str:
+        key = opt.split("=")[0]
+        return f"strategy.{key.removeprefix(STRATEGY)}" if key.startswith(STRATEGY) else key.removeprefix("--model.")
+
+    return all(name(opt) in options for opt in mode.options)
 
 
 def recipe_command(

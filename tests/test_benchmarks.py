@@ -207,6 +207,9 @@ def test_scale_memory_marks_options_this_checkout_lacks():
     assert scale_memory.available(fp8, {"weights_dtype", "base_dtype"})
     assert not scale_memory.available(fp8, {"weights_dtype"})
     assert scale_memory.available(scale_memory.MODES["ddp"], set())
+    children = scale_memory.MODES["fsdp-children"]
+    assert not scale_memory.available(children, {"weights_dtype", "base_dtype"})
+    assert scale_memory.available(children, scale_memory.model_options())  # this checkout has fsdp_units
 
 
 def test_scale_memory_caps_onednn_plan_caches_unless_told_not_to(monkeypatch):
