@@ -406,7 +406,9 @@ def parse(argv=None):
     parser.add_argument("--modes", nargs="+", choices=list(MODES), default=list(DEFAULT_MODES))
     parser.add_argument("--params", type=float, default=160, help="transformer size, millions of parameters")
     # narrow and deep, like the real models: one block is ~3 % of the model (FLUX.1's double blocks 2.8 %), so
-    # FSDP's gathered blocks in flight do not swamp the loading figures (at width 1024, 3+3 blocks: 24 % each)
+    # FSDP's gathered blocks in flight do not swamp the loading figures (at width 1024, 3+3 blocks: 24 % each);
+    # the run's excess over the model is per layer, so a narrow model shows it larger than a real one (--hidden 768
+    # at the same depth: DDP bf16 1.05x instead of 1.16x; docs/benchmarks.md, 2026-12-06)
     parser.add_argument("--hidden", type=int, default=384, help="transformer width (a multiple of 64)")
     # rank 1: the LoRA's parameters, gradients and AdamW moments are 1 % of the fp32 model (rank 16: 17 %), so the
     # figures are the base's loading, not the adapter's training state
