@@ -142,9 +142,23 @@ CHRONOEDIT_DIFFUSERS_PLAN = __import__("diffusers").ChronoEditTransformer3DModel
 
 
 def _check(*args):
+    """`python -m cp_lightning.check ARGS` in a subprocess, as a user runs it."""
     env = {**os.environ, "PYTHONPATH": os.getcwd(), "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "cp_lightning.check", *args]
     return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+
+
+def _check_here(monkeypatch, capsys, *args):
+    """The checker's ``main(ARGS)`` in this process, its ranks workers of the shared pool (the table, exit code
+    and every row as from the command line, which the first test below runs)."""
+    from types import SimpleNamespace
+
+    from cp_lightning import check
+
+    monkeypatch.setattr(check, "run_workers", lambda fn, world, *a, **_: spawn(fn, world, *a, timeout_s=600))
+    code = check.main(list(args))
+    captured = capsys.readouterr()
+    return SimpleNamespace(returncode=code, stdout=captured.out, stderr=captured.err)
 
 
 def test_checker_passes_a_library_model_and_prints_its_table():
@@ -153,8 +167,18 @@ def test_checker_passes_a_library_model_and_prints_its_table():
     assert "| ulysses |" in run.stdout and "| ring |" in run.stdout and "FAIL" not in run.stdout
 
 
-def test_checker_fails_a_wrong_plan_with_a_non_zero_exit():
-    run = _check("chronoedit", "--cp", "2", "--tokens", "9", "--plan", "tests.test_library:CHRONOEDIT_DIFFUSERS_PLAN")
+def test_checker_fails_a_wrong_plan_with_a_non_zero_exit(monkeypatch, capsys):
+    run = _check_here(
+        monkeypatch,
+        capsys,
+        "chronoedit",
+        "--cp",
+        "2",
+        "--tokens",
+        "9",
+        "--plan",
+        "tests.test_library:CHRONOEDIT_DIFFUSERS_PLAN",
+    )
     assert run.returncode == 1, run.stdout + run.stderr
     assert "FAIL" in run.stdout
 
@@ -162,15 +186,15 @@ def test_checker_fails_a_wrong_plan_with_a_non_zero_exit():
 CUSTOM = ["tests.custom_dit:TinyDiT", "--config", "tests/custom_dit.json", "--inputs", "tests.custom_dit:inputs"]
 
 
-def test_checker_passes_a_correct_plan_for_a_model_outside_the_library():
-    run = _check(*CUSTOM, "--plan", "tests.custom_dit:PLAN", "--cp", "2", "--tokens", "9")
+def test_checker_passes_a_correct_plan_for_a_model_outside_the_library(monkeypatch, capsys):
+    run = _check_here(monkeypatch, capsys, *CUSTOM, "--plan", "tests.custom_dit:PLAN", "--cp", "2", "--tokens", "9")
     assert run.returncode == 0, run.stdout + run.stderr
     assert "| ulysses |" in run.stdout and "| ring |" in run.stdout and "FAIL" not in run.stdout
 
 
 @pytest.mark.parametrize("plan, why", [("WRONG_DIM", "shapes"), ("WRONG_GATHER", "crashed")])
-def test_checker_fails_a_wrong_plan_for_a_model_outside_the_library(plan, why):
-    run = _check(*CUSTOM, "--plan", f"tests.custom_dit:{plan}", "--cp", "2", "--tokens", "9")
+def test_checker_fails_a_wrong_plan_for_a_model_outside_the_library(monkeypatch, capsys, plan, why):
+    run = _check_here(monkeypatch, capsys, *CUSTOM, "--plan", f"tests.custom_dit:{plan}", "--cp", "2", "--tokens", "9")
     assert run.returncode == 1, run.stdout + run.stderr
     rows = [line for line in run.stdout.splitlines() if line.startswith("| ulysses") or line.startswith("| ring")]
     assert len(rows) == 2 and all("FAIL" in row and why in row for row in rows), run.stdout

@@ -11,6 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.distributed import spawn
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -24,13 +26,51 @@ def run_recipe(
     env: dict | None = None,
 ) -> Path:
     """Run a tiny config (``tiny_{recipe}_{variant}cp2.yaml``) with every output under tmp_path; returns the run
-    folder. ``env`` adds environment variables."""
+    folder. ``env`` adds environment variables.
+
+    The run's ranks are workers of the shared pool (tests/distributed.py) with the environment torchrun gives,
+    so Lightning starts its process group as under any external launcher; `python -m recipes.X` with
+    Lightning's own launcher is tested by the embedded default's run below."""
     out = tmp_path / name
     default = ROOT / "configs" / f"tiny_{recipe}_{variant}cp2.yaml"
     text = default.read_text().replace(f"outputs/tiny_{recipe}_{variant}cp2", str(out))
     config = tmp_path / f"{name}.yaml"
     config.write_text(text.replace("outputs/", f"{cache or tmp_path}/"))
-    env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+    args = ["fit", "--config", str(config), *overrides]
+    world = _devices(config, overrides)
+    spawn(_fit, world, recipe, args, timeout_s=900, env={**(env or {}), "LOCAL_WORLD_SIZE": str(world)}, group=False)
+    return out
+
+
+def _devices(config: Path, overrides) -> int:
+    """The run's process count: the last ``--trainer.devices`` override, else the config's."""
+    import yaml
+
+    devices = yaml.safe_load(config.read_text())["trainer"].get("devices", 1)
+    for i, arg in enumerate(overrides):
+        if arg.startswith("--trainer.devices="):
+            devices = arg.split("=", 1)[1]
+        elif arg == "--trainer.devices":
+            devices = overrides[i + 1]
+    return int(devices)
+
+
+def _fit(rank, world, recipe, args):
+    import importlib
+
+    os.chdir(ROOT)  # relative paths in the configs resolve as under `python -m recipes.X` from the repository
+    importlib.import_module(f"recipes.{recipe}").main(args)
+
+
+def launch_recipe(tmp_path: Path, name: str, *overrides: str, recipe: str = "flux") -> Path:
+    """Like :func:`run_recipe`, as the README runs it: `python -m recipes.X fit` in a subprocess, with
+    Lightning's own launcher starting the second rank."""
+    out = tmp_path / name
+    default = ROOT / "configs" / f"tiny_{recipe}_cp2.yaml"
+    config = tmp_path / f"{name}.yaml"
+    text = default.read_text().replace(f"outputs/tiny_{recipe}_cp2", str(out))
+    config.write_text(text.replace("outputs/", f"{tmp_path}/"))
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", f"recipes.{recipe}", "fit", "--config", str(config), *overrides]
     result = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
@@ -46,7 +86,7 @@ def losses(run: Path, column: str = "loss") -> list[float]:
 def default_run(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("recipe")
     # the default trains 4000 steps (about 2 minutes of an idle machine); 30 show the same code working
-    return run_recipe(tmp, "cp2", "--trainer.max_steps=30"), tmp
+    return launch_recipe(tmp, "cp2", "--trainer.max_steps=30"), tmp
 
 
 def test_the_embedded_default_learns_and_writes_its_outputs(default_run):
