@@ -86,7 +86,7 @@ def control_key(key: str) -> str:
 
 
 class FluxKontextData(FluxData):
-    """Paired images for Flux Kontext; the arguments of :class:`recipes.data.EncodedData` (``synthetic_samples``
+    """Paired images for Flux Kontext; the arguments of :class:`recipes.encoded.EncodedData` (``synthetic_samples``
     writes editing pairs of shapes)."""
 
     __doc__ = (__doc__ or "") + (FluxData.__doc__ or "")

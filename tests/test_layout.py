@@ -72,12 +72,24 @@ def circles(graph: dict[str, set[str]]) -> list[list[str]]:
     return found
 
 
-@pytest.mark.parametrize("package", ["cp_lightning", "recipes"])
-def test_no_import_circle(package):
-    graph = import_graph(ROOT, [package])
-    assert len(graph) > 10, graph  # the walk found the package's modules
+@pytest.mark.parametrize("packages", [["cp_lightning"], ["recipes"], ["cp_lightning", "recipes"]], ids=str)
+def test_no_import_circle(packages):
+    graph = import_graph(ROOT, packages)
+    assert len(graph) > 10 * len(packages), graph  # the walk found the packages' modules
     found = circles(graph)
     assert not found, "import circles: " + "; ".join(" -> ".join(c) for c in found)
+
+
+def test_the_library_never_imports_the_recipes():
+    """cp_lightning/ is the library; recipes/ assemble it. The planner finds the recipes' bucket scan through an
+    entry point (pyproject.toml), not an import."""
+    graph = import_graph(ROOT, ["cp_lightning", "recipes"])
+    upward = sorted(f"{a} -> {b}" for a, edges in graph.items() if a.startswith("cp_lightning") for b in edges
+                    if b.startswith("recipes"))  # fmt: skip
+    assert not upward, upward
+    by_name = [str(p.relative_to(ROOT)) for p in (ROOT / "cp_lightning").rglob("*.py") if "import_module(\"recipes" in
+               p.read_text() or "__import__(\"recipes" in p.read_text()]  # fmt: skip
+    assert not by_name, by_name
 
 
 def test_the_walk_sees_a_circle_through_a_deferred_import(tmp_path):

@@ -309,7 +309,7 @@ def test_config_reads_recipe_without_processes():
 
 
 def test_config_scans_data_dir(tmp_path):
-    from recipes.data import make_shapes
+    from recipes.synthetic import make_shapes
 
     make_shapes(tmp_path / "images", 6, size=64)
     text = (ROOT / "configs/flux1_dev_lora_cp4.yaml").read_text()
@@ -320,6 +320,20 @@ def test_config_scans_data_dir(tmp_path):
     assert "1 buckets from" in report
     assert result["tokens"] == [4096]  # 1024 x 1024 px: 64 x 64 latent tokens after 2x2 patches
     assert result["layout"]["cp"] == 4
+
+
+def test_config_without_the_recipes_plans_the_yaml_bucket(monkeypatch, tmp_path):
+    """Where the recipes are not importable (the library alone), --config plans the YAML's one bucket and says so."""
+    import cp_lightning.planner.recipe as recipe
+
+    monkeypatch.setattr(recipe, "_scanner", lambda: None)
+    result, report = run(["--config", str(ROOT / "configs/flux1_dev_lora_cp4.yaml"), "--gpu-memory", "80", "--json"])
+    assert "no bucket scanner installed" in report
+    assert result["tokens"] == [4096]  # 1024 px: the same single bucket the recipes' scan gives without data
+    text = (ROOT / "configs/flux1_dev_lora_cp4.yaml").read_text().replace("resolution:", "other_resolution:")
+    (tmp_path / "r.yaml").write_text(text)
+    with pytest.raises(ValueError, match="no bucket scanner is installed"):
+        run(["--config", str(tmp_path / "r.yaml"), "--gpu-memory", "80"])
 
 
 def test_recipe_dry_run_plans_on_cpu_without_processes(tmp_path):

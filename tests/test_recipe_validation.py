@@ -51,7 +51,7 @@ def _held_out(data: Path) -> set[str]:
 
 def _edit_training_files(source: Path, target: Path, tmp: Path) -> None:
     """A copy of ``source`` with files outside the held-out split edited (redrawn), removed and added."""
-    from recipes.data import make_shapes
+    from recipes.synthetic import make_shapes
 
     shutil.copytree(source, target)
     held = _held_out(target)

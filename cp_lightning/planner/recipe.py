@@ -3,7 +3,9 @@
 The buckets come from the recipe's data module scanning ``data.data_dir`` (the dry run's scan,
 ``EncodedData.plan``) with the VAE and patch geometry of the built-in model instead of the pipeline's files,
 so a hub id needs no download; without the folder, the recipe's one ``resolution x width x num_frames``
-bucket stands in (and the result says so).
+bucket stands in (and the result says so). The scan is the recipes' (``recipes.plan_buckets.scan_buckets``),
+found through the ``cp_lightning.planner`` entry point ``buckets`` that pyproject.toml declares: the library
+never imports the recipes.
 """
 
 from __future__ import annotations
@@ -86,7 +88,7 @@ def read_recipe(path: str | Path, model: str | None = None) -> Recipe:
     if cls not in FAMILY_OF:
         raise ValueError(f"{path}: the recipes train Flux, QwenImage, Wan and HunyuanVideo, not {cls}.")
     geometry = GEOMETRY_TI2V if spec.name == "wan2.2-ti2v-5b" else GEOMETRY[cls]
-    buckets, note = _buckets(FAMILY_OF[cls], data, geometry)
+    buckets, note = _buckets(FAMILY_OF[cls], data, geometry, spec.family.text_tokens)
     devices = trainer.get("devices", 1)
     nodes = int(trainer.get("num_nodes", 1))
     batch = data.get("batch_size", 1)
@@ -110,40 +112,36 @@ def read_recipe(path: str | Path, model: str | None = None) -> Recipe:
     )
 
 
-def _buckets(family: str, data: dict, geometry: tuple[int, int, int]) -> tuple[list[dict], str]:
-    from recipes import data as recipe_data
-
-    cls = {
-        "wan": recipe_data.WanData,
-        "hunyuan": recipe_data.HunyuanData,
-        "flux": recipe_data.FluxData,
-        "qwenimage": recipe_data.QwenImageData,
-    }[family]
-    kwargs = {k: v for k, v in data.items() if k not in ("dry_run",)}
-    if kwargs.get("batch_size") == "auto":
-        kwargs["batch_size"] = 1
-    module = cls(**kwargs)
-    module.geometry = lambda: geometry  # the built-in model's geometry: no pipeline files needed
-    text = module.hparams.max_sequence_length
-    if not Path(module.data_dir).exists():
-        multiple, temporal, patch_t = geometry
-        h = module.hparams.resolution
-        w = module.hparams.width or h
-        frames = getattr(module, "num_frames", 1)
-        latent_frames = ((frames - 1) // temporal + 1) // patch_t
-        split = latent_frames * (h // multiple) * (w // multiple)
-        joint = family != "wan"
-        row = {"bucket": f"{frames}x{h}x{w}", "tokens_per_sample": split + (text if joint else 0)}
-        row["text_tokens"] = text if joint else 0
-        return [row], f"data_dir {module.data_dir} not found: planned for the recipe's {frames}x{h}x{w} bucket"
-    module.plan(cp=1)
-    rows = module.table
-    for row in rows:
-        split, t = module.tokens(_Bucket(row))
-        row["text_tokens"] = t
-    return rows, f"{len(rows)} buckets from {module.data_dir}"
+def _buckets(family: str, data: dict, geometry: tuple[int, int, int], text_tokens: int) -> tuple[list[dict], str]:
+    """The recipe's buckets: its data module's scan of ``data.data_dir`` when a scanner is installed (the
+    ``cp_lightning.planner`` entry point ``buckets``, which the recipes provide), else the YAML's one bucket."""
+    scan = _scanner()
+    if scan is not None:
+        return scan(family, data, geometry)
+    if "resolution" not in data:
+        raise ValueError(
+            "no bucket scanner is installed (the recipes register one: run from the repository, where "
+            "`pip install -e .` made it known) and the YAML's data section names no resolution: give --model and "
+            "--tokens instead of --config."
+        )
+    multiple, temporal, patch_t = geometry
+    h = int(data["resolution"])
+    w = int(data.get("width") or h)
+    frames = int(data.get("num_frames", 1)) if family in ("wan", "hunyuan") else 1
+    latent_frames = ((frames - 1) // temporal + 1) // patch_t
+    split = latent_frames * (h // multiple) * (w // multiple)
+    text = int(data.get("max_sequence_length", text_tokens)) if family != "wan" else 0
+    row = {"bucket": f"{frames}x{h}x{w}", "tokens_per_sample": split + text, "text_tokens": text}
+    return [row], f"planned for the recipe's {frames}x{h}x{w} bucket (no bucket scanner installed: data_dir not read)"
 
 
-class _Bucket:
-    def __init__(self, row: dict) -> None:
-        self.frames, self.height, self.width = row["frames"], row["height"], row["width"]
+def _scanner():
+    """The installed bucket scanner, or None (the library does not import the recipes; they register it)."""
+    from importlib.metadata import entry_points
+
+    for point in entry_points(group="cp_lightning.planner", name="buckets"):
+        try:
+            return point.load()
+        except ImportError:  # the recipes are not importable from here (another working directory)
+            return None
+    return None
