@@ -265,8 +265,11 @@ def run_cp(ref: Reference, mesh, ring: int, *, plan: Mapping | None = None) -> d
             remove(model)
     got = grads(models)
     group = cp_groups(mesh, ring).cp if mesh.ndim > 1 else mesh[CP].get_group()
-    for g in got.values():
-        dist.all_reduce(g, group=group)  # SUM over the CP group must equal the one-process gradient
+    # SUM over the CP group must equal the one-process gradient: one flat all-reduce, not one per tensor
+    flat = torch.cat([g.flatten() for g in got.values()])
+    dist.all_reduce(flat, group=group)
+    for g, summed in zip(got.values(), flat.split([g.numel() for g in got.values()]), strict=True):
+        g.copy_(summed.view_as(g))
     errs = grad_errors(got, ref.grads)
     worst = max(errs, key=errs.get)
     if [o.shape for o in outs] != [r.shape for r in ref.outs]:

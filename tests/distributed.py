@@ -127,3 +127,21 @@ def spawn(
                 p.kill()
                 p.join()
         results.close()
+
+
+def sum_over(tensors, group=None) -> None:
+    """All-reduce (SUM) ``tensors`` in place over ``group`` with one collective: on a 2-core machine running 4
+    ranks, each collective costs milliseconds of scheduling, so a model's gradients reduced one tensor at a time
+    cost more than the model's step."""
+    import torch
+    import torch.distributed as dist
+
+    tensors = list(tensors)
+    if not tensors:
+        return
+    flat = torch.cat(
+        [t.detach().reshape(-1).to(torch.float64 if t.dtype == torch.float64 else t.dtype) for t in tensors]
+    )
+    dist.all_reduce(flat, group=group)
+    for t, part in zip(tensors, flat.split([t.numel() for t in tensors]), strict=True):
+        t.copy_(part.view_as(t))

@@ -21,7 +21,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.distributed import spawn
+from tests.distributed import spawn, sum_over
 
 OUT_TOL, GRAD_TOL = 1e-5, 1e-4
 STEPS = 3
@@ -61,10 +61,11 @@ def _step(run, model, inputs, group, lr=1e-3):
     (out * weights).sum().backward()
     grads = {}
     with torch.no_grad():
-        for name, p in model.named_parameters():
+        for p in model.parameters():
             if p.grad is None:  # a parameter the inputs do not reach
                 p.grad = torch.zeros_like(p)
-            dist.all_reduce(p.grad, group=group)  # the CP gradient convention: SUM over the CP group
+        sum_over([p.grad for p in model.parameters()], group)  # the CP gradient convention: SUM over the CP group
+        for name, p in model.named_parameters():
             grads[name] = p.grad.clone()
             p -= lr * p.grad
             p.grad = None

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch import nn
 
 from cp_lightning.fp8 import FP8Linear, dequantize_fp8, fp8_weight_error, frozen_bytes, quantize_fp8, to_fp8_base
-from tests.distributed import spawn
+from tests.distributed import spawn, sum_over
 
 OUT_TOL, GRAD_TOL = 1e-5, 1e-4
 TARGETS = ["to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "proj_mlp", "proj_out", "ff.net.2"]
@@ -63,11 +63,11 @@ def step(run, model, inputs, group=None, autocast=False):
     grads = {}
     for name, p in model.named_parameters():
         if p.requires_grad:
-            g = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad.clone()
-            if group is not None:
-                dist.all_reduce(g, group=group)
-            grads[name] = g.float()
+            grads[name] = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad.clone()
             p.grad = None
+    if group is not None:
+        sum_over(grads.values(), group)
+    grads = {name: g.float() for name, g in grads.items()}
     return out.detach().float(), grads
 
 

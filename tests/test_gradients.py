@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from diffusers.models._modeling_parallel import ContextParallelInput as In
 from diffusers.models._modeling_parallel import ContextParallelOutput as Out
 
-from tests.distributed import spawn
+from tests.distributed import spawn, sum_over
 
 FLUX_ROOT = {
     "": {
@@ -112,9 +112,10 @@ def _run(case, meshes):
     _loss(out, loss_shard(target, model)).backward()
     group = meshes[cp]["cp"].get_group()
     errs = {}
+    got = {name: p.grad.clone() if p.grad is not None else torch.zeros_like(p) for name, p in model.named_parameters()}
+    sum_over(got.values(), group)  # SUM over cp (loss-parallel: DDP's MEAN over cp)
     for name, p in model.named_parameters():
-        g = p.grad.clone() if p.grad is not None else torch.zeros_like(p)
-        dist.all_reduce(g, group=group)  # SUM over cp (loss-parallel: DDP's MEAN over cp)
+        g = got[name]
         ref = dict(reference.named_parameters())[name].grad
         errs[name] = _rel(g / cp if lp else g, ref if ref is not None else torch.zeros_like(p))
     if lp:
@@ -195,10 +196,10 @@ def _toy(tokens, lp):
     handles = apply_plan(resolve_plan(model, TOY_PLAN), group, gather=not lp, root=model)
     F.mse_loss(model(x), shard(target, 1, group) if lp else target).backward()
     remove_plan(handles)
+    got = [p.grad.clone() for p in model.parameters()]
+    sum_over(got, group)
     errs = []
-    for p, ref in zip(model.parameters(), reference.parameters(), strict=True):
-        g = p.grad.clone()
-        dist.all_reduce(g, group=group)
+    for g, ref in zip(got, reference.parameters(), strict=True):
         errs.append(_rel(g / world if lp else g, ref.grad))
     return max(errs)
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from cp_lightning.check import GRAD_TOL, OUT_TOL
-from tests.distributed import spawn
+from tests.distributed import spawn, sum_over
 
 P = 3
 TOKENS = 20  # 7, 7, 6 tokens per rank
@@ -66,8 +66,7 @@ def _run(rank, world):
         with collectives.count_bytes() as bwd:
             (got * weights.narrow(1, start, sizes[rank])).sum().backward()
         grads = {f"0.{n}": p.grad.clone() for n, p in attn.named_parameters()}
-        for g in grads.values():
-            torch.distributed.all_reduce(g, group=group)  # each rank's share of the gradient
+        sum_over(grads.values(), group)  # each rank's share of the gradient
         out["unit"][video] = {
             "out_err": (got - ref.narrow(1, start, sizes[rank])).abs().max().item(),
             "input_grad_err": (local.grad - x.grad.narrow(1, start, sizes[rank])).abs().max().item()

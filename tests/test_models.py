@@ -11,9 +11,8 @@ import copy
 
 import pytest
 import torch
-import torch.distributed as dist
 
-from tests.distributed import spawn
+from tests.distributed import spawn, sum_over
 
 MODELS = ["flux", "wan", "qwenimage", "ltx"]
 # (cp, ring): Ulysses at 2 and 4, ring at 2, 3 and 4, USP 4 = 2 ring x 2 ulysses
@@ -74,8 +73,7 @@ def _run_case(name, cp, ring, ckpt, meshes, dtype=torch.float32, tokens=TOKENS, 
     out = _forward_backward(model, cast)
     grads = _grads(model)
     group = meshes[cp]["cp"].get_group()
-    for g in grads.values():
-        dist.all_reduce(g, group=group)  # SUM over the CP group must equal the one-process gradient
+    sum_over(grads.values(), group)  # SUM over the CP group must equal the one-process gradient
     remove(model)
 
     result = {"out_err": (out - ref_out).abs().max().item()}

@@ -10,7 +10,7 @@ from diffusers.models._modeling_parallel import ContextParallelOutput as Out
 from torch import nn
 
 from cp_lightning.plan import apply_plan, remove_plan, resolve_plan
-from tests.distributed import spawn
+from tests.distributed import spawn, sum_over
 
 
 class Block(nn.Module):
@@ -107,8 +107,7 @@ def _hooks_worker(rank, world):
         out.square().sum().backward()
         probe.remove()
         grads = [p.grad.clone() for p in model.parameters()]
-        for g in grads:
-            dist.all_reduce(g)
+        sum_over(grads)
         remove_plan(handles)
         model.zero_grad()
         after_remove = model(x, gate)
