@@ -268,11 +268,15 @@ class ContextParallelAttention:
         except ValueError as err:
             raise ValueError(f"{where}: {err}" if where else str(err)) from None
         lengths = None
-        if not self.state.even:
+        if not self.state.even and torch.compiler.is_compiling():
             lengths = (
                 self.state.lengths_of(query, 1, "attention queries"),
                 self.state.lengths_of(key, 1, "attention keys"),
             )
+        elif not self.state.even:
+            # eager: both lengths in one all-gather (one host sync per call, not two); why eager code exchanges
+            # rather than looking them up is in SplitState.lengths_of
+            lengths = _cp_lengths(query, key, self.state.group, even=False)
         out = cp_attention(
             query,
             key,

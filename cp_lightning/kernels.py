@@ -10,7 +10,8 @@ gradient exact (the softmax normaliser is the global one). A kernel therefore pr
 ``bias`` is None or an additive key mask broadcastable to (B, H, 1, S_k) in the inputs' dtype.
 Adding a kernel means adding one entry to ``KERNELS``; :func:`pick_kernel` chooses by device,
 dtype, mask and head dim unless the user names one (then :meth:`Kernel.check` refuses what it
-cannot take, naming the kernels that can).
+cannot take, naming the kernels that can); what no CUDA kernel takes (a 16-bit head dim that is not a
+multiple of 8) runs on ``math``. ``cpu_flash`` and ``math`` also take fp64, for exact references.
 
 The CUDA wrappers call torch's private SDPA ops, which skip the argument fixing that public SDPA
 does; each rule they must follow is applied here, in code that does not branch on the device, so
@@ -24,6 +25,7 @@ from __future__ import annotations
 import functools
 import math
 import re
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -35,7 +37,8 @@ import torch.nn.functional as F
 class Kernel:
     """One local attention kernel and what it accepts.
 
-    ``head_dim_multiple`` / ``max_head_dim``: head-dim limits of the kernel (0: none).
+    ``head_dim_multiple`` / ``max_head_dim``: head-dim limits of the kernel (0: none);
+    ``half_head_dim_multiple``: the multiple in bf16 / fp16 when it differs (None: the same).
     ``available``: whether it can run in this process (an optional package may be missing).
     """
 
@@ -48,6 +51,13 @@ class Kernel:
     head_dim_multiple: int = 1
     max_head_dim: int = 0
     available: Callable[[], bool] = lambda: True
+    half_head_dim_multiple: int | None = None
+
+    def multiple(self, dtype: torch.dtype) -> int:
+        """The head dims this kernel takes in ``dtype`` are multiples of this."""
+        if dtype in _HALF and self.half_head_dim_multiple is not None:
+            return self.half_head_dim_multiple
+        return self.head_dim_multiple
 
     def refusal(self, device: torch.device, dtype: torch.dtype, has_bias: bool, head_dim: int | None) -> str | None:
         """Why this kernel cannot take these inputs, or None when it can."""
@@ -59,11 +69,10 @@ class Kernel:
             return f"runs in {[str(d) for d in self.dtypes]}, not {dtype}"
         if has_bias and not self.supports_bias:
             return "takes no attention mask"
-        if head_dim is not None and (
-            head_dim % self.head_dim_multiple or (self.max_head_dim and head_dim > self.max_head_dim)
-        ):
+        multiple = self.multiple(dtype)
+        if head_dim is not None and (head_dim % multiple or (self.max_head_dim and head_dim > self.max_head_dim)):
             limit = f" up to {self.max_head_dim}" if self.max_head_dim else ""
-            return f"needs a head dim that is a multiple of {self.head_dim_multiple}{limit}, not {head_dim}"
+            return f"needs a head dim that is a multiple of {multiple}{limit} in {dtype}, not {head_dim}"
         return None
 
     def check(self, device: torch.device, dtype: torch.dtype, has_bias: bool, head_dim: int | None = None) -> None:
@@ -89,24 +98,47 @@ def _expand_bias(bias, q, k):
     return None if bias is None else bias.expand(q.shape[0], q.shape[1], q.shape[2], k.shape[2])
 
 
-# The efficient kernels read the mask with vector loads: its batch, head and query strides must be
+# The efficient kernels read the mask with 16-byte vector loads: its batch, head and query strides must be
 # multiples of 8 elements for 16-bit and 4 for fp32 wherever that dim has more than one element (the
-# "attn_bias is not correctly aligned" check). Public SDPA pads the key dim to a multiple of 8 and slices
-# it back (attention.cpp, preprocess_mask); the private op we call does not, so we do the same here.
+# "attn_bias is not correctly aligned" check), and so must its first element's address. ATen's host check
+# looks at the strides and at 4-byte alignment only, so a mask slice that starts mid-vector (the ring's key
+# chunks: bf16, 1032 keys, the second chunk 516 bytes in) passes it and faults on the device ("misaligned
+# address", sticky: the process must restart, DESIGN.md section 9.4). Public SDPA pads the key dim to a
+# multiple of 8 and slices it back (attention.cpp, preprocess_mask); the private op we call does not, so we
+# copy into a fresh (allocator-aligned) padded buffer whenever strides or address are off.
 _BIAS_ALIGNMENT = 8
+_BIAS_ADDRESS_ALIGNMENT = 16  # bytes: one vector load
+
+
+def _bias_address(bias: torch.Tensor) -> int:
+    """The mask's first element's address (on the meta device: its byte offset, which is what matters)."""
+    return bias.data_ptr() if not bias.is_meta else bias.storage_offset() * bias.element_size()
 
 
 def _aligned_bias(bias, q, k):
-    """The key mask as the efficient kernels need it: (B, H, S_q, S_k) with aligned strides."""
+    """The key mask as the efficient kernels need it: (B, H, S_q, S_k) with aligned strides and address."""
     if bias is None:
         return None
     keys = bias.shape[-1]
-    aligned = bias.stride(-1) == 1 and all(stride % _BIAS_ALIGNMENT == 0 for stride in bias.stride()[:-1])
+    aligned = (
+        bias.stride(-1) == 1
+        and all(stride % _BIAS_ALIGNMENT == 0 for stride in bias.stride()[:-1])
+        and _bias_address(bias) % _BIAS_ADDRESS_ALIGNMENT == 0
+    )
     if not aligned:
         padded = bias.new_zeros(*bias.shape[:-1], -(-keys // _BIAS_ALIGNMENT) * _BIAS_ALIGNMENT)
         padded[..., :keys] = bias
         bias = padded[..., :keys]
     return _expand_bias(bias, q, k)
+
+
+def as_bshd(x: torch.Tensor) -> torch.Tensor:
+    """A (B, H, S, D) tensor laid out in memory as contiguous (B, S, H, D): no copy when it already is.
+
+    The layout every ring block, output and gradient has; the CUDA backward ops need it of ``out`` and
+    ``grad_out`` (they copy, or misread, anything else: see the efficient and flash backward wrappers).
+    """
+    return x.transpose(1, 2).contiguous().transpose(1, 2)
 
 
 def _efficient_lse_rows(queries: int) -> int:
@@ -132,26 +164,28 @@ def _cpu_flash_backward(dout, q, k, v, out, lse, bias, scale):
 
 
 def _math_forward(q, k, v, bias, scale):
-    """Reference kernel in fp32 on any device: O(S_q x S_k) memory for the block."""
+    """Reference kernel in fp32 (fp64 for fp64) on any device: O(S_q x S_k) memory for the block."""
     scale = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
-    scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale  # B, H, S_q, S_k
+    acc = torch.promote_types(q.dtype, torch.float32)
+    scores = torch.matmul(q.to(acc), k.to(acc).transpose(-1, -2)) * scale  # B, H, S_q, S_k
     if bias is not None:
-        scores = scores + bias.float()
+        scores = scores + bias.to(acc)
     lse = torch.logsumexp(scores, dim=-1)  # B, H, S_q
     probs = torch.exp(scores - lse.unsqueeze(-1)).nan_to_num(0.0)
-    return torch.matmul(probs, v.float()).to(q.dtype), lse
+    return torch.matmul(probs, v.to(acc)).to(q.dtype), lse
 
 
 def _math_backward(dout, q, k, v, out, lse, bias, scale):
     scale = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
-    qf, kf, vf, dof = q.float(), k.float(), v.float(), dout.float()
+    acc = torch.promote_types(q.dtype, torch.float32)
+    qf, kf, vf, dof = q.to(acc), k.to(acc), v.to(acc), dout.to(acc)
     scores = torch.matmul(qf, kf.transpose(-1, -2)) * scale
     if bias is not None:
-        scores = scores + bias.float()
+        scores = scores + bias.to(acc)
     probs = torch.exp(scores - lse.unsqueeze(-1)).nan_to_num(0.0)  # with the global LSE: exact per block
     dv = torch.matmul(probs.transpose(-1, -2), dof)
     dprobs = torch.matmul(dof, vf.transpose(-1, -2))
-    delta = (dof * out.float()).sum(-1, keepdim=True)  # rowsum(dO * O) of the *final* output
+    delta = (dof * out.to(acc)).sum(-1, keepdim=True)  # rowsum(dO * O) of the *final* output
     dscores = probs * (dprobs - delta) * scale
     dq = torch.matmul(dscores, kf)
     dk = torch.matmul(dscores.transpose(-1, -2), qf)
@@ -171,13 +205,16 @@ def _cuda_efficient_backward(dout, q, k, v, out, lse, bias, scale):
     rows = _efficient_lse_rows(q.shape[2])
     lse = F.pad(lse.float(), (0, rows - lse.shape[-1]), value=float("inf")).contiguous()
     empty = torch.empty(0, dtype=torch.long, device=q.device)  # philox seed/offset: read only with dropout
+    # out: the kernel takes its row stride as H * D (kernel_backward.h, o_strideM()), i.e. it assumes the
+    # (B, S, H, D) layout; another one (contiguous (B, H, S, D)) is misread silently. grad_out: ATen copies
+    # it to contiguous (B, S, H, D) unless it already is. as_bshd is free for the ring's tensors.
     dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
-        dout.contiguous(),
+        as_bshd(dout),
         q,
         k,
         v,
         _aligned_bias(bias, q, k),
-        out,
+        as_bshd(out),
         lse,
         empty,
         empty,
@@ -196,12 +233,13 @@ def _cuda_flash_forward(q, k, v, bias, scale):
 
 def _cuda_flash_backward(dout, q, k, v, out, lse, bias, scale):
     empty = torch.empty(0, dtype=torch.long, device=q.device)  # philox seed/offset: read only with dropout
+    # ATen makes grad_out and out contiguous as (B, S, H, D) (attention_backward.cu): free in that layout
     dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_backward(
-        dout.contiguous(),
+        as_bshd(dout),
         q,
         k,
         v,
-        out,
+        as_bshd(out),
         lse.contiguous(),
         # cum_seq_q / cum_seq_k: undefined selects the dense (batched) path; any defined tensor, even an
         # empty one, selects the variable-length path (attention_backward.cu), which wants int32 offsets.
@@ -265,11 +303,21 @@ def _flash_attn_backward(dout, q, k, v, out, lse, bias, scale):
 
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 _HALF = (torch.bfloat16, torch.float16)
+_EXACT = (*_FLOATS, torch.float64)  # fp64: references exact to rounding (tests, benchmarks/gpu_check.py)
 KERNELS: dict[str, Kernel] = {
-    "cpu_flash": Kernel("cpu_flash", _cpu_flash_forward, _cpu_flash_backward, ("cpu",), _FLOATS, True),
-    "math": Kernel("math", _math_forward, _math_backward, ("cpu", "cuda"), _FLOATS, True),
+    "cpu_flash": Kernel("cpu_flash", _cpu_flash_forward, _cpu_flash_backward, ("cpu",), _EXACT, True),
+    "math": Kernel("math", _math_forward, _math_backward, ("cpu", "cuda"), _EXACT, True),
+    # efficient kernels: on sm80+ only head dims that are multiples of 8 (16-bit) or 4 (fp32) have kernels
+    # ("no kernel found to launch" otherwise; public SDPA's check_head_dim_size_mem_efficient)
     "cuda_efficient": Kernel(
-        "cuda_efficient", _cuda_efficient_forward, _cuda_efficient_backward, ("cuda",), _FLOATS, True
+        "cuda_efficient",
+        _cuda_efficient_forward,
+        _cuda_efficient_backward,
+        ("cuda",),
+        _FLOATS,
+        True,
+        head_dim_multiple=4,
+        half_head_dim_multiple=8,
     ),
     # flash kernels: head dim a multiple of 8, at most 256 (flash_api.cpp); no additive mask
     "cuda_flash": Kernel("cuda_flash", _cuda_flash_forward, _cuda_flash_backward, ("cuda",), _HALF, False, 8, 256),
@@ -288,7 +336,9 @@ def get_kernel(name: str) -> Kernel:
     return KERNELS[name]
 
 
-# Preference order on CUDA; the first that takes the inputs wins. Masked rings stay on cuda_efficient.
+# Preference order on CUDA; the first that takes the inputs wins. Masked rings stay on cuda_efficient; what
+# none of them takes (a 16-bit head dim that is not a multiple of 8) runs on "math": exact, fp32 inside,
+# but O(S_q x S_k) memory per block.
 _CUDA_ORDER = ("flash_attn", "cuda_flash", "cuda_efficient")
 
 
@@ -306,4 +356,10 @@ def pick_kernel(
         for candidate in _CUDA_ORDER:
             if KERNELS[candidate].refusal(device, dtype, has_bias, head_dim) is None:
                 return KERNELS[candidate]
+        warnings.warn(
+            f"ring attention: no CUDA kernel takes {dtype} with head dim {head_dim}"
+            f"{' and a mask' if has_bias else ''}; using the 'math' kernel (exact, but O(S_q x S_k) memory per "
+            "block). The 16-bit efficient and flash kernels need head dims that are multiples of 8.",
+            stacklevel=2,
+        )
     return KERNELS["math"]

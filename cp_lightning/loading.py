@@ -261,7 +261,13 @@ def load_weights(module: nn.Module, files: SafetensorsFolder, device: torch.devi
                 elif local.device.type == "cpu" and value.dtype == local.dtype and not _is_dtensor(target):
                     target.data = value  # memory-mapped, copy-on-write: no anonymous copy on the host
                 else:
-                    local.copy_(value.to(device=local.device, dtype=local.dtype))
+                    local.copy_(_on_device(value, local.device))  # copy_ casts where both tensors are
+
+
+def _on_device(value: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``value`` on ``device`` in its file dtype: casting (and fp8 quantization) then runs on the accelerator.
+    ``value.to(device=cuda, dtype=...)`` would cast on the host first, one slow pass over every weight there."""
+    return value.to(device)
 
 
 def _is_dtensor(t: torch.Tensor) -> bool:
@@ -276,8 +282,8 @@ def _load_fp8(module: nn.Module, name: str, local: torch.Tensor, value: torch.Te
     from cp_lightning.fp8 import quantize_fp8
 
     owner = module.get_submodule(name.rpartition(".")[0])
-    q, scale = quantize_fp8(value.to(torch.float32), local.dtype)
-    local.copy_(q.to(local.device))
+    q, scale = quantize_fp8(_on_device(value, local.device).to(torch.float32), local.dtype)
+    local.copy_(q)
     scale_local = _local(owner.weight_scale)
     if scale_local.shape == scale.shape:
         scale_local.copy_(scale.to(scale_local))

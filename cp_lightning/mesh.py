@@ -69,21 +69,67 @@ def _local_world_size() -> int | None:
     return int(value) if value else None
 
 
+# The device a backend's collectives run on. gloo takes CUDA tensors for some collectives but not for send/recv
+# (DESIGN.md section 9.4), so a gloo group means a CPU mesh even where CUDA is visible.
+_BACKEND_DEVICES = {"nccl": "cuda", "xccl": "xpu", "hccl": "hpu"}
+
+
+def backend_device_type(group: dist.ProcessGroup | None = None) -> str:
+    """The device type ``group``'s (default: the world's) collectives run on: ``"cuda"`` for NCCL, ``"cpu"``
+    for gloo. A multi-device backend string (``"cpu:gloo,cuda:nccl"``) gives its accelerator."""
+    backend = str(dist.get_backend(group)).lower()
+    for part in backend.split(","):
+        name = part.rpartition(":")[2]
+        if name in _BACKEND_DEVICES:
+            return _BACKEND_DEVICES[name]
+    return "cpu"
+
+
 def build_mesh(cp: int, *, ring: int = 1, device_type: str | None = None, allow_cross_node: bool = False) -> DeviceMesh:
     """Build the ``(dp, cp)`` DeviceMesh over the default process group.
 
     ``dp = world_size // cp``. CP groups are consecutive ranks, inside a node unless
     ``allow_cross_node`` (checked against ``LOCAL_WORLD_SIZE`` when the launcher sets it).
     ``ring`` is validated here (it must divide ``cp``); the ``(ring, ulysses)`` groups themselves are
-    built by :func:`cp_groups`. ``device_type`` defaults to ``"cuda"`` when CUDA is available, else
-    ``"cpu"``.
+    built by :func:`cp_groups`. ``device_type`` defaults to the process group's
+    (:func:`backend_device_type`: ``"cuda"`` over NCCL, ``"cpu"`` over gloo, whether or not CUDA is
+    visible). The mesh's groups are warmed at once (:func:`warm_groups`).
     """
     _require_process_group()
     world_size = dist.get_world_size()
     validate_degrees(cp, ring, world_size, _local_world_size(), allow_cross_node=allow_cross_node)
     if device_type is None:
-        device_type = "cuda" if torch.cuda.is_available() else "cpu"
-    return init_device_mesh(device_type, (world_size // cp, cp), mesh_dim_names=(DP, CP))
+        device_type = backend_device_type()
+    elif not isinstance(device_type, str):
+        raise TypeError(f"device_type must be a str such as 'cuda' or 'cpu', got {type(device_type).__name__}.")
+    mesh = init_device_mesh(device_type, (world_size // cp, cp), mesh_dim_names=(DP, CP))
+    warm_groups([mesh[DP].get_group(), mesh[CP].get_group()], device_type)
+    return mesh
+
+
+def _device_for(device_type: str) -> torch.device:
+    """This rank's device of ``device_type``: for CUDA the one the default group is bound to (eager NCCL
+    init), else the current one; new groups must name the bound device if there is one."""
+    if device_type != "cuda":
+        return torch.device(device_type)
+    bound = dist.distributed_c10d._get_default_group().bound_device_id
+    return bound if bound is not None else torch.device("cuda", torch.cuda.current_device())
+
+
+def warm_groups(groups, device_type: str) -> None:
+    """One tiny all-reduce on each of this rank's ``groups`` (None and repeats skipped), in order.
+
+    NCCL creates a group's communicator at its first collective: without this, dynamic CP's sub-groups and
+    the ring/Ulysses groups would each pay that (seconds, and a collective with every peer) in the middle of a
+    training step, at the first step that uses them. Collective: every member of each group calls this with
+    the same groups in the same order (the group lists below are built alike on every rank).
+    """
+    seen: set[int] = set()
+    for group in groups:
+        if group is None or id(group) in seen:
+            continue
+        seen.add(id(group))
+        dist.all_reduce(torch.zeros(1, device=_device_for(device_type)), group=group)
 
 
 @dataclass(frozen=True)
@@ -138,6 +184,7 @@ def cp_groups(mesh: DeviceMesh, ring: int = 1) -> CPGroups:
             cp_size=cp_size,
             ring_size=ring,
         )
+        warm_groups([groups.ulysses, groups.ring], mesh.device_type)  # new groups: every rank is here
     _GROUP_CACHE[key] = (mesh, groups)
     return groups
 
@@ -174,6 +221,7 @@ def cp_subgroups(mesh: DeviceMesh, ring: int = 1) -> dict[int, CPGroups]:
     if key in _SUBGROUP_CACHE:
         return _SUBGROUP_CACHE[key][1]
     world, rank = dist.get_world_size(), dist.get_rank()
+    device_id = _device_for("cuda") if mesh.device_type == "cuda" else None
     out: dict[int, CPGroups] = {}
     for degree in sub_degrees(cp_size):
         if degree == cp_size:
@@ -181,23 +229,29 @@ def cp_subgroups(mesh: DeviceMesh, ring: int = 1) -> dict[int, CPGroups]:
             continue
         sub_ring, ulysses = sub_layout(degree, cp_size, ring)
         starts = range(0, world, degree)  # CP groups are consecutive runs of cp ranks, and degree divides cp
-        cp_group = _subgroup([list(range(s, s + degree)) for s in starts], rank)
+        cp_group = _subgroup([list(range(s, s + degree)) for s in starts], rank, device_id)
         ulysses_group, ring_group = cp_group, None
         if sub_ring > 1:
             # s + ring position x ulysses + ulysses position, as in cp_groups
-            ulysses_group = _subgroup([list(range(u, u + ulysses)) for u in range(0, world, ulysses)], rank)
+            ulysses_group = _subgroup([list(range(u, u + ulysses)) for u in range(0, world, ulysses)], rank, device_id)
             rings = [list(range(s + i, s + degree, ulysses)) for s in starts for i in range(ulysses)]
-            ring_group = _subgroup(rings, rank)
+            ring_group = _subgroup(rings, rank, device_id)
         out[degree] = CPGroups(cp=cp_group, ulysses=ulysses_group, ring=ring_group, cp_size=degree, ring_size=sub_ring)
+    # every rank built every group above: warm its own, degree by degree, in the same order everywhere
+    warm_groups([g for d in sorted(out) if d != cp_size for g in (out[d].cp, out[d].ulysses, out[d].ring)],
+                mesh.device_type)  # fmt: skip
     _SUBGROUP_CACHE[key] = (mesh, out)
     return out
 
 
-def _subgroup(rank_lists: list[list[int]], rank: int) -> dist.ProcessGroup:
-    """Create every group of ``rank_lists`` (collective: all ranks create all of them) and return ``rank``'s."""
+def _subgroup(rank_lists: list[list[int]], rank: int, device_id: torch.device | None = None) -> dist.ProcessGroup:
+    """Create every group of ``rank_lists`` (collective: all ranks create all of them) and return ``rank``'s.
+
+    ``device_id`` (CUDA meshes): NCCL connects each new group at creation (eager init) instead of at its
+    first collective."""
     mine = None
     for ranks in rank_lists:
-        group = dist.new_group(ranks)
+        group = dist.new_group(ranks, device_id=device_id)
         if rank in ranks:
             mine = group
     assert mine is not None, (rank, rank_lists)

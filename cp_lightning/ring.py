@@ -3,22 +3,30 @@
 Forward, on the rank at ring position r of P: at step s it holds the K/V block of rank (r - s) mod P.
 It starts sending that block to rank r+1 (and receiving the next from r-1) *before* computing
 attention on it, so the transfer overlaps the compute (double buffering: the block being computed
-and the block in flight). Partial outputs are merged in fp32 with their log-sum-exp (LSE).
+and the block in flight). Partial outputs are merged in fp32 (fp64 for fp64 inputs) with their
+log-sum-exp (LSE).
 
 Backward: each block's gradient is recomputed with the final output and LSE, which is exact. dQ
 stays local. The dK/dV accumulator of a block travels the ring with it, each rank adding its part,
 and the last hop brings it home: after P hops rank r holds the full dK/dV of its own block.
 No all-gather of K/V happens anywhere.
+
+The P2P goes through a communicator (``world``, ``rank``, ``start``, ``finish``, ``incoming_length``):
+:class:`RingComm` over a process group, or one registered under a name with :func:`register_comm`
+(cp_lightning.ring_threads runs P virtual ranks as threads of one process on one device, which is how the
+shipped loop is checked on one GPU, where NCCL refuses two ranks and gloo cannot send CUDA tensors).
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import _resolve_process_group
 
 from cp_lightning.collectives import record_sent
-from cp_lightning.kernels import Kernel, get_kernel
+from cp_lightning.kernels import Kernel, as_bshd, get_kernel
 
 # message tags: K, V and the mask travel together; the dK/dV accumulators follow them
 K_TAG, V_TAG, BIAS_TAG, DK_TAG, DV_TAG = range(5)
@@ -68,6 +76,27 @@ class RingComm:
         return buffers
 
 
+# Communicators that are not process groups, by the name the ring ops get as ``group_name``
+_COMMS: dict[str, Callable[[], object]] = {}
+
+
+def register_comm(name: str, factory: Callable[[], object] | None) -> None:
+    """Make ring attention over ``group_name=name`` use ``factory()`` as its communicator (None: forget it).
+
+    ``factory`` is called on the thread that runs the ring op and returns an object with RingComm's
+    interface for that caller (cp_lightning.ring_threads: the calling thread's virtual rank)."""
+    if factory is None:
+        _COMMS.pop(name, None)
+    else:
+        _COMMS[name] = factory
+
+
+def ring_comm(group_name: str):
+    """The communicator of the ring ops' ``group_name``: a registered one, else P2P over that process group."""
+    factory = _COMMS.get(group_name)
+    return factory() if factory is not None else RingComm(_resolve_process_group(group_name))
+
+
 def _masked_lse(lse: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """Kernels report LSE 0 for a row whose keys are all masked; the merge needs -inf there."""
     if bias is None:
@@ -76,14 +105,19 @@ def _masked_lse(lse: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     return lse.masked_fill(empty, float("-inf"))
 
 
+def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
+    """What partial outputs and gradients are summed in: fp32, or fp64 for fp64 inputs (exact references)."""
+    return torch.promote_types(dtype, torch.float32)
+
+
 def merge(out: torch.Tensor | None, lse: torch.Tensor | None, block_out: torch.Tensor, block_lse: torch.Tensor):
-    """Combine two softmax-normalised partial outputs by their LSE, in fp32, updating ``out`` in place.
+    """Combine two softmax-normalised partial outputs by their LSE, in fp32 (fp64 for fp64), updating ``out``.
 
     new_lse = log(e^lse + e^block_lse) (logaddexp: no overflow); each side is weighted by
     exp(its_lse - new_lse) <= 1. Both -inf (rows masked so far) gives nan, which means weight 0.
     """
     if out is None:
-        return block_out.float(), block_lse
+        return block_out.to(accumulation_dtype(block_out.dtype)), block_lse
     new_lse = torch.logaddexp(lse, block_lse)
     old_weight = torch.exp(lse - new_lse).nan_to_num_(0.0).unsqueeze(-1)
     block_weight = torch.exp(block_lse - new_lse).nan_to_num_(0.0).unsqueeze(-1)
@@ -129,14 +163,10 @@ def _bshd_layout(like: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return like.new_empty((b, s, h, d), dtype=dtype).transpose(1, 2)
 
 
-def _as_bshd(x: torch.Tensor) -> torch.Tensor:
-    return x.transpose(1, 2).contiguous().transpose(1, 2)  # no copy when already laid out so
-
-
-def _ring_forward(q, k, v, bias, group, kernel: Kernel, scale, block_lengths):
-    """q, k, v: (B, H, S_local, D); bias: None or (B, H|1, 1, S_k_local) additive, in q's dtype;
-    block_lengths: every ring rank's key count, or None when they are all equal. Returns (out, lse)."""
-    comm = RingComm(group)
+def _ring_forward(q, k, v, bias, comm, kernel: Kernel, scale, block_lengths):
+    """q, k, v: (B, H, S_local, D); bias: None or (B, H|1, 1, S_k_local) additive, in q's dtype; comm: the
+    ring's communicator (:func:`ring_comm`); block_lengths: every ring rank's key count, or None when they
+    are all equal. Returns (out, lse)."""
     bias = None if bias is None else bias.contiguous()
     # blocks travel as contiguous B, S, H, D; the kernels see B, H, S, D views of them
     block_k, block_v, block_bias = _wire(k), _wire(v), bias
@@ -151,15 +181,42 @@ def _ring_forward(q, k, v, bias, group, kernel: Kernel, scale, block_lengths):
         del block_out, block_lse
         if pending is not None:
             block_k, block_v, block_bias = _finish_blocks(comm, pending)
-    return _as_bshd(out).to(q.dtype), lse.contiguous()
+    return as_bshd(out).to(q.dtype), lse.contiguous()
 
 
-def _key_chunks(keys: int) -> list[tuple[int, int]]:
-    """The key ranges one block's backward runs in: the first quarter, then the rest."""
-    return [(0, keys)] if keys < 4 else [(0, keys // 4), (keys // 4, keys)]
+# Key chunks of one block's backward on an accelerator: a boundary on a multiple of this many keys keeps a mask
+# slice's address aligned (kernels._aligned_bias then copies nothing) and the kernels' key tiles full.
+_CHUNK_KEYS = 128
 
 
-def _ring_backward(dout, q, k, v, out, lse, bias, group, kernel: Kernel, scale, block_lengths):
+def _spare_bytes(device: torch.device) -> int:
+    """Memory the allocator can still hand out on ``device``: free on the device plus cached but unused."""
+    free, _ = torch.cuda.mem_get_info(device)
+    return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+
+
+def _chunked(device: torch.device, accumulator_bytes: int) -> bool:
+    """Whether the backward splits each block's keys in two (see :func:`_ring_backward`).
+
+    On the CPU always: measured to lower the ring's peak (docs/benchmarks.md). On CUDA only when memory is
+    short (less than four times ``accumulator_bytes``, the two fp32 accumulators, spare): a split gives each
+    kernel call less work, which costs GPU throughput that the two tensors it saves rarely pay for.
+    """
+    if device.type == "cpu":
+        return True
+    return device.type == "cuda" and _spare_bytes(device) < 4 * accumulator_bytes
+
+
+def _key_chunks(keys: int, chunked: bool = True, align: int = 1) -> list[tuple[int, int]]:
+    """The key ranges one block's backward runs in: the first quarter (rounded down to a multiple of
+    ``align`` keys when that leaves one), then the rest; or the whole block."""
+    cut = keys // 4
+    if align > 1 and cut >= align:
+        cut -= cut % align
+    return [(0, keys)] if not chunked or cut == 0 else [(0, cut), (cut, keys)]
+
+
+def _ring_backward(dout, q, k, v, out, lse, bias, comm, kernel: Kernel, scale, block_lengths):
     """Gradients (dq, dk, dv) of :func:`_ring_forward`, from its final output and LSE.
 
     Each block's backward runs in two chunks of its keys, a quarter and the rest (the gradient of a key
@@ -169,12 +226,20 @@ def _ring_backward(dout, q, k, v, out, lse, bias, group, kernel: Kernel, scale, 
     runs without two accumulators in flight. The ring's peak memory is in this loop; this lowers it by
     about two (B, S_local, H, D) fp32 tensors (benchmarks/scaling.py at cp=4: 0.270x -> 0.265x of
     cp=1 per rank, docs/benchmarks.md). The price: the accumulator's transfer overlaps a quarter of the
-    block's compute, not all of it.
+    block's compute, not all of it, and each kernel call does less work: on CUDA blocks run whole unless
+    memory is short (:func:`_chunked`), and a split falls on a multiple of 128 keys.
     """
-    comm = RingComm(group)
     # rows with no unmasked key at all: +inf makes every probability exp(s - inf) = 0
     lse = lse.masked_fill(torch.isneginf(lse), float("inf"))
-    dq = None  # fp32, laid out B, S, H, D; the first partial gradient becomes it (no copy in fp32)
+    if q.device.type != "cpu":
+        # dO in the layout the CUDA backward ops want, (B, S, H, D): at most one copy here, none per kernel
+        # call (the CPU kernel reads any layout, and a copy there would add to the ring's peak)
+        dout = as_bshd(dout)
+    b, h, s_local, d = k.shape
+    chunked = _chunked(q.device, 2 * b * h * s_local * d * 4)  # the two fp32 accumulators' bytes
+    align = 1 if q.device.type == "cpu" else _CHUNK_KEYS
+    acc = accumulation_dtype(q.dtype)
+    dq = None  # in acc (fp32), laid out B, S, H, D; the first partial gradient becomes it (no copy in fp32)
     block_k, block_v, block_bias = _wire(k), _wire(v), None if bias is None else bias.contiguous()
     grad_pending = None
     for step in range(comm.world):
@@ -182,7 +247,7 @@ def _ring_backward(dout, q, k, v, out, lse, bias, group, kernel: Kernel, scale, 
         kv_pending = None
         if step + 1 < comm.world:
             kv_pending = _start_blocks(comm, block_k, block_v, block_bias, incoming)
-        for chunk, (lo, hi) in enumerate(_key_chunks(block_k.shape[1])):
+        for chunk, (lo, hi) in enumerate(_key_chunks(block_k.shape[1], chunked, align)):
             chunk_bias = None if block_bias is None else block_bias[..., lo:hi]
             dq_part, dk_part, dv_part = kernel.backward(
                 dout,
@@ -194,26 +259,27 @@ def _ring_backward(dout, q, k, v, out, lse, bias, group, kernel: Kernel, scale, 
                 chunk_bias,
                 scale,
             )
-            dq = _as_bshd(dq_part.float()) if dq is None else dq.add_(dq_part)
+            dq = as_bshd(dq_part.to(acc)) if dq is None else dq.add_(dq_part)
             del dq_part
-            if (
-                chunk == 0
-            ):  # this block's accumulators: new (fp32, B, S, H, D like the blocks) or from the previous rank
+            if chunk == 0:  # this block's accumulators: new (fp32, B, S, H, D like the blocks) or the previous rank's
                 if grad_pending is None:
-                    dk = block_k.new_zeros(block_k.shape, dtype=torch.float32)
-                    dv = block_v.new_zeros(block_v.shape, dtype=torch.float32)
+                    dk = block_k.new_zeros(block_k.shape, dtype=acc)
+                    dv = block_v.new_zeros(block_v.shape, dtype=acc)
                 else:
                     dk, dv = comm.finish(grad_pending)
                     grad_pending = None  # its works held the accumulators sent on: free them
             dk[:, lo:hi] += dk_part.transpose(1, 2)
             dv[:, lo:hi] += dv_part.transpose(1, 2)
             del dk_part, dv_part
+        if comm.world == 1:  # a ring of one: the accumulators are home already (and gloo cannot send to self)
+            break
         # on to the next rank; the last hop goes home
         grad_pending = comm.start([dk, dv], [DK_TAG, DV_TAG], [_with_length(t, 1, incoming) for t in (dk, dv)])
         del dk, dv
         if kv_pending is not None:
             block_k, block_v, block_bias = _finish_blocks(comm, kv_pending)
-    dk, dv = comm.finish(grad_pending)  # B, S, H, D fp32, received: fresh buffers
+    if grad_pending is not None:
+        dk, dv = comm.finish(grad_pending)  # B, S, H, D fp32, received: fresh buffers
     return dq.to(q.dtype), dk.transpose(1, 2).to(k.dtype), dv.transpose(1, 2).to(v.dtype)
 
 
@@ -233,14 +299,13 @@ def ring_attention_forward(
     block_lengths: list[int] | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Ring attention forward: (out (B, H, S_local, D) laid out B, S, H, D; lse (B, H, S_local) fp32)."""
-    group = _resolve_process_group(group_name)
-    return _ring_forward(q, k, v, bias, group, get_kernel(kernel), scale, block_lengths)
+    return _ring_forward(q, k, v, bias, ring_comm(group_name), get_kernel(kernel), scale, block_lengths)
 
 
 @ring_attention_forward.register_fake
 def _(q, k, v, bias, group_name, kernel, scale, block_lengths):
     b, h, s, _ = q.shape
-    return _bshd_layout(q, q.dtype), q.new_empty((b, h, s), dtype=torch.float32)
+    return _bshd_layout(q, q.dtype), q.new_empty((b, h, s), dtype=accumulation_dtype(q.dtype))
 
 
 @torch.library.custom_op("cp_lightning::ring_attention_backward", mutates_args=())
@@ -258,8 +323,8 @@ def ring_attention_backward(
     block_lengths: list[int] | None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Ring attention backward: (dq, dk, dv), each laid out B, S, H, D like the forward's output."""
-    group = _resolve_process_group(group_name)
-    return _ring_backward(dout, q, k, v, out, lse, bias, group, get_kernel(kernel), scale, block_lengths)
+    comm = ring_comm(group_name)
+    return _ring_backward(dout, q, k, v, out, lse, bias, comm, get_kernel(kernel), scale, block_lengths)
 
 
 @ring_attention_backward.register_fake
@@ -291,6 +356,8 @@ def ring_attention(
 ) -> torch.Tensor:
     """Exact attention of local queries over the K/V blocks of every rank in ``group`` (all (B, H, S, D)).
 
+    ``group``: a process group, or anything with the ``group_name`` of a communicator registered with
+    :func:`register_comm` (a ``ring_threads.ThreadRing``).
     ``block_lengths``: each ring rank's key count when they differ (None: all equal to this rank's).
     The output is laid out as contiguous (B, S, H, D).
     """

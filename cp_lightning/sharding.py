@@ -19,7 +19,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from cp_lightning.data_parallel import plan_targets
-from cp_lightning.mesh import CP, DP
+from cp_lightning.mesh import CP, DP, warm_groups
 
 __all__ = [
     "FSDPOptions",
@@ -232,9 +232,12 @@ _FLAT: dict[int, tuple[DeviceMesh, DeviceMesh]] = {}
 
 def _flat_mesh(mesh: DeviceMesh) -> DeviceMesh:
     """The dp x cp mesh flattened to one axis (created once per mesh: flattening is collective-free but
-    registers a name)."""
+    registers a name). Its group is warmed here, in set-up, so NCCL does not connect it at FSDP's first
+    all-gather (every rank shards the same modules, so every rank gets here)."""
     if id(mesh) not in _FLAT:
-        _FLAT[id(mesh)] = (mesh, mesh[(DP, CP)]._flatten(f"{DP}_{CP}"))
+        flat = mesh[(DP, CP)]._flatten(f"{DP}_{CP}")
+        warm_groups([flat.get_group()], mesh.device_type)
+        _FLAT[id(mesh)] = (mesh, flat)
     return _FLAT[id(mesh)][1]
 
 

@@ -7,8 +7,13 @@ The rules (torch 2.13, see ../shared/DESIGN.md section 7):
 2. efficient backward: the LSE has the forward's padded length, ceil(S_q / 32) * 32 rows (CUDA), the
    pad rows +inf; the kernel reads them with no bound check.
 3. efficient forward and backward: ``attn_bias`` strides of the batch, head and query dims are
-   multiples of 8 (16-bit) or 4 (fp32) wherever that dim has more than one element; last dim dense.
+   multiples of 8 (16-bit) or 4 (fp32) wherever that dim has more than one element; last dim dense;
+   its address a multiple of 16 bytes (the kernels' vector loads; ATen checks only 4, section 9.4).
 4. flash: 16-bit inputs, head dim a multiple of 8 and at most 256, no mask.
+5. efficient backward: ``out`` laid out as (B, S, H, D) (the kernel takes its row stride as H * D).
+6. both backward ops: ``grad_out`` and ``out`` passed laid out as (B, S, H, D), which ATen's copy to that
+   layout leaves alone (any other layout is copied on every call).
+Meta tensors keep storage offsets, so a slice's address is checked here as on the device.
 The flash-attn wrapper is checked against a stand-in module with flash-attn's signatures and layout.
 """
 
@@ -36,17 +41,21 @@ B, H, S_Q, S_K, D = 2, 2, 33, 17, 16
 
 
 class Recorder(TorchDispatchMode):
-    """Records the calls of the watched ops with their arguments bound to the schema's names. With
-    ``fake_outputs`` it runs them on meta copies and returns empty outputs on the inputs' device (for
-    checking argument values on CPU, where the CUDA ops have no kernel)."""
+    """Records the calls of the watched ops with their arguments bound to the schema's names, and the shapes
+    of the tensors copied by ``clone`` (``.contiguous()``). With ``fake_outputs`` it runs the watched ops on
+    meta copies and returns empty outputs on the inputs' device (for checking argument values on CPU, where
+    the CUDA ops have no kernel)."""
 
     def __init__(self, fake_outputs: bool = False) -> None:
         super().__init__()
         self.calls: list[tuple] = []
+        self.clones: list[tuple[int, ...]] = []
         self.fake_outputs = fake_outputs
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if func is aten.clone.default:
+            self.clones.append(tuple(args[0].shape))
         if func not in WATCHED:
             return func(*args, **kwargs)
         self.calls.append((func, bind(func, args, kwargs)))
@@ -105,7 +114,14 @@ def bias_alignment_errors(bias, dtype) -> list[str]:
     for dim, name in enumerate(("batch", "head", "query")):
         if bias.shape[dim] > 1 and bias.stride(dim) % align:
             errors.append(f"{name} stride {bias.stride(dim)} not a multiple of {align}")
+    address = bias.storage_offset() * bias.element_size() if bias.is_meta else bias.data_ptr()
+    if address % 16:
+        errors.append(f"address {address} not a multiple of 16 bytes")
     return errors
+
+
+def bshd_laid_out(t) -> bool:
+    return t.transpose(1, 2).is_contiguous()
 
 
 def rule_errors(func, a: dict) -> list[str]:
@@ -135,6 +151,10 @@ def rule_errors(func, a: dict) -> list[str]:
         errors += bias_alignment_errors(bias, q.dtype)
     if func is EFF_FWD and not a["compute_log_sumexp"]:
         errors.append("forward without LSE")
+    if func in (EFF_BWD, FLASH_BWD):
+        for name in ("grad_out_" if func is EFF_BWD else "grad_out", "out"):
+            if name in a and not bshd_laid_out(a[name]):
+                errors.append(f"{name} not laid out (B, S, H, D): strides {a[name].stride()}")
     if func is EFF_BWD:
         lse = a["logsumexp"]
         rows = math.ceil(s_q / 32) * 32
@@ -228,6 +248,13 @@ def test_the_rules_catch_the_bugs_they_describe():
     )
     errors = rule_errors(EFF_BWD, old_eff)
     assert any("batch stride 17" in e for e in errors) and any("reads 64 rows" in e for e in errors)
+    # a key chunk of the mask as the ring sliced it (bf16, 1032 keys, from key 258), and out as (B, H, S, D)
+    chunk = _chunk_bias(1032, 258, 1032).expand(1, H, S_Q, 1032 - 258)
+    q1, k1 = q[:1], torch.empty(1, H, 1032 - 258, D, dtype=torch.bfloat16, device="meta")
+    errors = rule_errors(EFF_FWD, dict(query=q1, key=k1, attn_bias=chunk, compute_log_sumexp=True))
+    assert errors == ["address 516 not a multiple of 16 bytes"], errors
+    old_eff.update(out=torch.empty(B, H, S_Q, D, device="meta"), attn_bias=None)
+    assert any(e.startswith("out not laid out (B, S, H, D)") for e in rule_errors(EFF_BWD, old_eff))
 
 
 @pytest.mark.parametrize(
@@ -235,7 +262,8 @@ def test_the_rules_catch_the_bugs_they_describe():
     [
         ("cuda_flash", torch.float32, False, 64, "cuda_efficient"),
         ("cuda_flash", torch.bfloat16, True, 64, "cuda_efficient"),
-        ("cuda_flash", torch.bfloat16, False, 36, "cuda_efficient"),
+        ("cuda_flash", torch.bfloat16, False, 36, "math"),  # no 16-bit kernel takes 36 (issue 44)
+        ("cuda_flash", torch.float32, False, 36, "cuda_efficient"),
         ("cuda_flash", torch.bfloat16, False, 512, "cuda_efficient"),
         ("cuda_efficient", torch.float32, False, 64, "cpu_flash"),
         ("cpu_flash", torch.bfloat16, False, 64, "cuda_flash"),
@@ -252,10 +280,85 @@ def test_default_cuda_kernels_follow_mask_dtype_and_head_dim(monkeypatch):
     cuda = torch.device("cuda")
     assert pick_kernel(cuda, torch.bfloat16, False, head_dim=64).name == "cuda_flash"
     assert pick_kernel(cuda, torch.bfloat16, True, head_dim=64).name == "cuda_efficient"
-    assert pick_kernel(cuda, torch.bfloat16, False, head_dim=36).name == "cuda_efficient"
     assert pick_kernel(cuda, torch.float32, False, head_dim=64).name == "cuda_efficient"
+    assert pick_kernel(cuda, torch.float32, True, head_dim=36).name == "cuda_efficient"
+    # 16-bit efficient kernels exist only for head dims that are multiples of 8 ("no kernel found to launch"):
+    # neither flash nor efficient takes 36 in bf16/fp16, so the exact fp32 math kernel runs
+    for dtype in (torch.bfloat16, torch.float16):
+        for masked in (False, True):
+            with pytest.warns(UserWarning, match="no CUDA kernel takes .* head dim 36.*'math'"):
+                assert pick_kernel(cuda, dtype, masked, head_dim=36).name == "math", (dtype, masked)
+    with pytest.warns(UserWarning, match="'math'"):
+        assert pick_kernel(cuda, torch.float32, False, head_dim=34).name == "math"
+    with pytest.raises(ValueError, match=r"'cuda_efficient' needs a head dim that is a multiple of 8.*'math'"):
+        pick_kernel(cuda, torch.bfloat16, True, "cuda_efficient", head_dim=36)
     with pytest.raises(ValueError, match="'flash_attn' is not available"):
         pick_kernel(cuda, torch.bfloat16, False, "flash_attn", head_dim=64)
+
+
+def _chunk_bias(keys: int, lo: int, hi: int, dtype=torch.bfloat16):
+    """The ring's mask slice for keys [lo, hi) of a block of ``keys``: a view at a storage offset."""
+    return torch.zeros(1, 1, 1, keys, dtype=dtype, device="meta")[..., lo:hi]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize("keys", [16, 1032, 1040, 4103])
+def test_efficient_kernels_get_aligned_masks_for_every_key_chunk(keys, dtype):
+    """bf16, 1032 keys: the ring backward's second chunk starts at key 258, 516 bytes into the mask. Its
+    strides are fine at batch 1 and ATen's host check passes it; the kernel's 16-byte loads fault."""
+    quarter = keys // 4  # the ring backward's chunk boundary on the CPU (and on CUDA before issue 44)
+    slices = {(0, keys), (0, quarter), (quarter, keys), (quarter // 128 * 128, keys), (1, keys), (3, keys - 2)}
+    for lo, hi in sorted(slices):
+        bias = _chunk_bias(keys, lo, hi, dtype)
+        q = torch.empty(1, H, 5, D, dtype=dtype, device="meta")
+        k = v = torch.empty(1, H, hi - lo, D, dtype=dtype, device="meta")
+        recorder = Recorder()
+        with recorder:
+            out, lse = KERNELS["cuda_efficient"].forward(q, k, v, bias, None)
+            KERNELS["cuda_efficient"].backward(torch.empty_like(out), q, k, v, out, lse, bias, None)
+        for func, bound in recorder.calls:
+            assert bias_alignment_errors(bound["attn_bias"], dtype) == [], (func, lo, hi)
+            assert torch.equal(torch.tensor(bound["attn_bias"].shape), torch.tensor([1, H, 5, hi - lo]))
+
+
+def test_ring_key_chunks_on_an_accelerator_fall_on_multiples_of_128_keys():
+    from cp_lightning.ring import _key_chunks
+
+    assert _key_chunks(1032) == [(0, 258), (258, 1032)]  # the CPU's quarter
+    assert _key_chunks(1032, True, 128) == [(0, 256), (256, 1032)]
+    assert _key_chunks(100, True, 128) == [(0, 25), (25, 100)]  # too short to round: the quarter
+    assert _key_chunks(1032, False, 128) == [(0, 1032)]
+    assert _key_chunks(3) == [(0, 3)]
+
+
+def test_ring_backward_runs_whole_blocks_on_cuda_unless_memory_is_short(monkeypatch):
+    from cp_lightning import ring
+
+    cuda = torch.device("cuda")
+    monkeypatch.setattr(ring, "_spare_bytes", lambda device: 10**12)
+    assert ring._chunked(torch.device("cpu"), 10**9) and not ring._chunked(cuda, 10**9)
+    monkeypatch.setattr(ring, "_spare_bytes", lambda device: 10**9)
+    assert ring._chunked(cuda, 10**9)
+
+
+@pytest.mark.parametrize("name", ["cuda_efficient", "cuda_flash"])
+def test_backward_takes_out_and_grad_out_in_any_layout_and_copies_neither_in_the_rings(name):
+    """The efficient backward misreads an ``out`` stored contiguous as (B, H, S, D) (silently wrong masked
+    gradients): the wrapper lays it out as (B, S, H, D). In the ring's own layout nothing is copied: ATen
+    copies grad_out to (B, S, H, D) unless it already is, so a ``.contiguous()`` of the (B, H, S, D) view
+    made two copies of dO per call."""
+    dtype = torch.bfloat16
+    q, k, v, _ = inputs(dtype, None)
+    lse = torch.empty(B, H, S_Q, device="meta")
+    ring_layout = torch.empty(B, S_Q, H, D, dtype=dtype, device="meta").transpose(1, 2)  # what the ring holds
+    bhsd = torch.empty(B, H, S_Q, D, dtype=dtype, device="meta")  # contiguous (B, H, S, D)
+    for out, dout, copies in ((ring_layout, ring_layout, 0), (bhsd, bhsd, 2)):
+        recorder = Recorder()
+        with recorder:
+            KERNELS[name].backward(dout, q, k, v, out, lse, None, None)
+        ((func, bound),) = recorder.calls
+        assert rule_errors(func, bound) == [], rule_errors(func, bound)
+        assert sum(shape in ((B, H, S_Q, D), (B, S_Q, H, D)) for shape in recorder.clones) == copies, recorder.clones
 
 
 # ----- flash-attn, through a stand-in with its signatures and (B, S, H, D) layout ----------------------
@@ -320,7 +423,7 @@ def test_an_old_flash_attn_is_not_used(flash_attn_installed):
 
 
 def test_flash_attn_wrapper_matches_the_math_kernel_in_a_simulated_ring(flash_attn_installed):
-    from benchmarks.gpu_check import reference_attention, simulated_ring
+    from benchmarks.gpu_steps import reference_attention, simulated_ring
 
     torch.manual_seed(0)
     q = torch.randn(B, H, S_Q, D, dtype=torch.bfloat16)

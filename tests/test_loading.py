@@ -372,3 +372,45 @@ def test_init_lora_does_not_depend_on_the_order_or_the_device(tmp_path):
             assert abs(pa.std().item() - 1 / 4) < 0.1
         elif "lora_B" in name:
             assert not pa.any()
+
+
+def test_weights_are_cast_and_quantized_on_the_device_they_load_to(tmp_path):
+    """Each tensor travels in its file's dtype and is cast (or fp8-quantized) where it lands: casting on the host
+    first is one slow CPU pass over every weight of a 12B model. The meta device stands in for CUDA (no CPU
+    kernel may touch a weight's values on the way; reading the file's header bytes is not checked)."""
+    from safetensors.torch import save_file
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from cp_lightning import loading
+    from cp_lightning.fp8 import FP8Linear
+
+    g = torch.Generator().manual_seed(0)
+    shapes = {"0.weight": (4, 8), "0.bias": (4,), "1.weight": (4, 4), "1.bias": (4,)}
+    save_file({k: torch.randn(s, generator=g) for k, s in shapes.items()}, tmp_path / "model.safetensors")
+    model = torch.nn.Sequential(
+        torch.nn.Linear(8, 4, dtype=torch.bfloat16, device="meta"), FP8Linear(4, 4, device="meta")
+    )
+    passive = {"detach", "view", "alias", "lift_fresh", "_local_scalar_dense", "select", "set_"}
+
+    class HostWork(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            on_host = [a for a in args if isinstance(a, torch.Tensor) and a.device.type == "cpu"]
+            name = func.overloadpacket.__name__
+            moves = name == "_to_copy" and kwargs.get("dtype", on_host[0].dtype if on_host else None) in (
+                None,
+                *(t.dtype for t in on_host),
+            )
+            if any(t.is_floating_point() for t in on_host) and name not in passive and not moves:
+                self.ops.append((name, [t.dtype for t in on_host], kwargs.get("dtype")))
+            return func(*args, **kwargs)
+
+    watch = HostWork()
+    with watch:
+        loading.load_weights(model, loading.SafetensorsFolder(tmp_path), torch.device("meta"))
+    assert watch.ops == [], watch.ops
+    assert model[0].weight.dtype == torch.bfloat16 and model[1].weight.dtype == torch.float8_e4m3fn
