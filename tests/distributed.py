@@ -48,10 +48,21 @@ def context():
     return _context
 
 
+def _mmap_threshold(nbytes: int) -> None:
+    """What ``MALLOC_MMAP_THRESHOLD_`` does at a process's start (the benchmarks' honest peaks: freed blocks
+    leave the resident set), for a process forked after it: glibc's ``mallopt(M_MMAP_THRESHOLD, nbytes)``."""
+    import ctypes
+
+    M_MMAP_THRESHOLD = -3
+    ctypes.CDLL("libc.so.6").mallopt(M_MMAP_THRESHOLD, nbytes)
+
+
 def _worker(
     rank: int, world_size: int, port: int, env: dict, fn: Callable, args: tuple, results, timeout_s: float, group: bool
 ):
     os.environ.update(env)
+    if "MALLOC_MMAP_THRESHOLD_" in env:  # glibc reads it at process start, which the fork server had before
+        _mmap_threshold(int(env["MALLOC_MMAP_THRESHOLD_"]))
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
@@ -87,7 +98,9 @@ def spawn(
     run then starts its own, as it does when launched externally."""
     ctx = context()
     results = ctx.Queue()
-    env = {**THREAD_ENV, **(env or {})}
+    # the parent's allocator setting (benchmarks set it for their workers), applied in each worker
+    inherited = {k: os.environ[k] for k in ("MALLOC_MMAP_THRESHOLD_",) if k in os.environ}
+    env = {**THREAD_ENV, **inherited, **(env or {})}
     port = free_port()
     procs = [
         ctx.Process(

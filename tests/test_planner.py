@@ -365,9 +365,8 @@ def test_cp_auto_picks_the_smallest_cp_that_fits_and_trains_like_it_by_hand(tmp_
     """cp='auto' at world 2 with a budget between the cp=1 and cp=2 predictions picks cp=2 and trains the same
     losses as cp=2 given by hand; a budget below both is a clear error."""
     import csv
-    import os
 
-    from tests.test_recipes import losses, run_recipe
+    from tests.test_recipes import log_of, losses, run_recipe
 
     steps = ["--trainer.max_steps=3", "--samples.every_n_steps=0"]
     hand = run_recipe(tmp_path, "hand", *steps, cache=tmp_path)
@@ -381,22 +380,15 @@ def test_cp_auto_picks_the_smallest_cp_that_fits_and_trains_like_it_by_hand(tmp_
     assert two < one
     budget = (one + two) / 2 / GIB
 
-    def auto(memory: float) -> subprocess.CompletedProcess:
-        out = tmp_path / "auto"
-        text = (ROOT / "configs/tiny_flux_cp2.yaml").read_text().replace("outputs/tiny_flux_cp2", str(out))
-        config = tmp_path / "auto.yaml"
-        config.write_text(text.replace("outputs/", f"{tmp_path}/"))
-        cmd = [sys.executable, "-m", "recipes.flux", "fit", "--config", str(config), *steps,
-               "--trainer.strategy.init_args.cp=auto", f"--trainer.strategy.init_args.gpu_memory={memory}"]  # fmt: skip
-        env = {**os.environ, "OMP_NUM_THREADS": "1"}
-        return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900, check=False)
+    def auto(memory: float) -> str:
+        auto = ["--trainer.strategy.init_args.cp=auto", f"--trainer.strategy.init_args.gpu_memory={memory}"]
+        run_recipe(tmp_path, "auto", *steps, *auto)
+        return log_of(tmp_path / "auto").read_text()
 
-    result = auto(budget)
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert "cp='auto' chose dp1 x cp2, DDP" in result.stderr + result.stdout
+    assert "cp='auto' chose dp1 x cp2, DDP" in auto(budget)
     assert losses(tmp_path / "auto") == pytest.approx(losses(hand), abs=1e-6)
-    refused = auto(two / GIB * 0.999)
-    assert refused.returncode != 0 and "no layout fits" in refused.stderr
+    with pytest.raises(ValueError, match="no layout fits"):
+        auto(two / GIB * 0.999)
 
 
 def test_fabric_refuses_cp_auto_at_construction():

@@ -26,11 +26,12 @@ def run_recipe(
     env: dict | None = None,
 ) -> Path:
     """Run a tiny config (``tiny_{recipe}_{variant}cp2.yaml``) with every output under tmp_path; returns the run
-    folder. ``env`` adds environment variables.
+    folder. ``env`` adds environment variables. What the ranks print is in :func:`log_of` the run.
 
     The run's ranks are workers of the shared pool (tests/distributed.py) with the environment torchrun gives,
     so Lightning starts its process group as under any external launcher; `python -m recipes.X` with
-    Lightning's own launcher is tested by the embedded default's run below."""
+    Lightning's own launcher is tested by the embedded default's run below. A failing run raises its rank's
+    exception (the CLI's exit status)."""
     out = tmp_path / name
     default = ROOT / "configs" / f"tiny_{recipe}_{variant}cp2.yaml"
     text = default.read_text().replace(f"outputs/tiny_{recipe}_{variant}cp2", str(out))
@@ -38,13 +39,26 @@ def run_recipe(
     config.write_text(text.replace("outputs/", f"{cache or tmp_path}/"))
     args = ["fit", "--config", str(config), *overrides]
     world = _devices(config, overrides)
-    spawn(_fit, world, recipe, args, timeout_s=900, env={**(env or {}), "LOCAL_WORLD_SIZE": str(world)}, group=False)
+    log = log_of(out)
+    log.parent.mkdir(parents=True, exist_ok=True)
+    log.write_text("")
+    env = {**(env or {}), "LOCAL_WORLD_SIZE": str(world)}
+    spawn(_fit, world, recipe, args, str(log), timeout_s=900, env=env, group=False)
     return out
 
 
+def log_of(run: Path) -> Path:
+    """Where :func:`run_recipe` keeps what the run's ranks printed (stdout and stderr, both ranks)."""
+    return run.with_name(run.name + ".log")
+
+
 def _devices(config: Path, overrides) -> int:
-    """The run's process count: the last ``--trainer.devices`` override, else the config's."""
+    """The run's process count: the last ``--trainer.devices`` override, else the config's; a dry run is one
+    process (it plans before any Trainer exists)."""
     import yaml
+
+    if "--data.dry_run=true" in overrides:
+        return 1
 
     devices = yaml.safe_load(config.read_text())["trainer"].get("devices", 1)
     for i, arg in enumerate(overrides):
@@ -55,11 +69,21 @@ def _devices(config: Path, overrides) -> int:
     return int(devices)
 
 
-def _fit(rank, world, recipe, args):
+def _fit(rank, world, recipe, args, log):
     import importlib
 
     os.chdir(ROOT)  # relative paths in the configs resolve as under `python -m recipes.X` from the repository
-    importlib.import_module(f"recipes.{recipe}").main(args)
+    with open(log, "a") as sink:  # the rank's own stdout and stderr (appends from both ranks stay whole lines)
+        os.dup2(sink.fileno(), 1)
+        os.dup2(sink.fileno(), 2)
+        try:
+            importlib.import_module(f"recipes.{recipe}").main(args)
+        except SystemExit as stop:  # the CLI's own exit (a dry run's is 0)
+            if stop.code not in (0, None):
+                raise
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
 
 
 def launch_recipe(tmp_path: Path, name: str, *overrides: str, recipe: str = "flux") -> Path:
