@@ -293,7 +293,7 @@ def test_fsdp_resume_is_exact_and_its_sharded_checkpoints_hold_the_trainable_sta
     assert sorted(p.name for p in (fsdp_runs["resumed"] / "checkpoints").glob("last*")) == ["last.ckpt"]
     # the recipe refuses another LoRA rank with its own message, before the sharded load
     cmd = ["--trainer.max_steps=6", "--model.lora_rank=8", f"--ckpt_path={directory}"]
-    with pytest.raises(AssertionError, match="LoRA of rank 16.*--model.lora_rank 16"):
+    with pytest.raises(ValueError, match="LoRA of rank 16.*--model.lora_rank 16"):
         run_recipe(checkpoints.parent.parent, "rank8", *cmd, cache=runs["tmp"], variant="fsdp_")
 
 
@@ -314,7 +314,7 @@ def test_checkpoints_that_cannot_resume_the_run_are_clear_errors(runs):
         check_identity(None, identity, saved["state_dict"])
     # wired into the run: resuming with another LoRA rank stops before any weight is loaded
     cmd = ["--trainer.max_steps=6", "--model.lora_rank=8", "--ckpt_path=last"]
-    with pytest.raises(AssertionError, match="LoRA of rank 16"):
+    with pytest.raises(ValueError, match="LoRA of rank 16"):
         run_recipe(runs["tmp"], "resumed", *cmd)
 
 

@@ -69,6 +69,14 @@ def _devices(config: Path, overrides) -> int:
     return int(devices)
 
 
+def _finish_loggers() -> None:
+    """What a recipe process's exit does for W&B (its atexit hook writes the run's last records); a pool worker
+    ends without running atexit hooks."""
+    wandb = sys.modules.get("wandb")
+    if wandb is not None and wandb.run is not None:
+        wandb.finish()
+
+
 def _fit(rank, world, recipe, args, log):
     import importlib
 
@@ -82,6 +90,7 @@ def _fit(rank, world, recipe, args, log):
             if stop.code not in (0, None):
                 raise
         finally:
+            _finish_loggers()
             sys.stdout.flush()
             sys.stderr.flush()
 
