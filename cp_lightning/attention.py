@@ -12,8 +12,11 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from cp_lightning import collectives
+from cp_lightning import collectives, masked_cp
 from cp_lightning.kernels import pick_kernel
+from cp_lightning.mask_layout import Layout
+from cp_lightning.masked import check_spec
+from cp_lightning.masks import MaskSpec
 from cp_lightning.mesh import CPGroups
 from cp_lightning.ring import ring_attention
 from cp_lightning.split_table import SplitState
@@ -174,6 +177,8 @@ def cp_attention(
     kernel: str | None = None,
     even: bool = False,
     lengths: tuple[list[int], list[int]] | None = None,
+    mask: MaskSpec | None = None,
+    layout: Layout | None = None,
 ) -> torch.Tensor:
     """Exact attention over sequence-sharded ``(B, S_local, H, D)`` inputs across the CP group.
 
@@ -185,14 +190,24 @@ def cp_attention(
     rank's query and key lengths (both skip exchanging them; see ``split_table.SplitState``). Heads are
     dealt out as evenly as possible (:func:`collectives.chunk_sizes`): a head count the Ulysses degree
     does not divide leaves some ranks one head more, with no padding.
+    ``mask``: a :class:`~cp_lightning.masks.MaskSpec` over the whole self-attention sequence (no attn_mask
+    then), run as rectangles with no S x S tensor (cp_lightning.masked_cp); ``layout``: the tokens each rank
+    holds (default ``Layout.contiguous``, the split hooks' sharding; ``Layout.head_tail`` balances rings
+    under causal masks); the shard lengths then come from the layout, with no exchange.
     Everything that can be refused is checked before communicating.
     """
     heads, ulysses = query.shape[2], groups.ulysses_size
     _check_heads(query, key, ulysses)
+    if mask is not None:
+        check_spec(mask, query, key, attn_mask)
+        # the sequence length, where it is known without communicating
+        total = sum(lengths[0]) if lengths is not None else (query.shape[1] * groups.cp_size if even else None)
+        layout = masked_cp.resolve_layout(mask, layout, query, groups.cp_size, dist.get_rank(groups.cp), total)
+        lengths = (layout.lengths, layout.lengths)
     if attn_mask is not None:
         _check_mask(attn_mask, heads)
     ring_kernel = None
-    if groups.ring_size > 1:
+    if groups.ring_size > 1 and mask is None:
         ring_kernel = pick_kernel(query.device, query.dtype, attn_mask is not None, kernel, head_dim=query.shape[-1])
 
     q_cp, k_cp = _cp_lengths(query, key, groups.cp, even) if lengths is None else lengths
@@ -208,7 +223,9 @@ def cp_attention(
             attn_mask = _gather_mask(attn_mask, groups.ulysses, k_lengths, head_split)
     # B, S, H/u, D -> B, H/u, S, D for the kernels and back
     q, k, v = (t.transpose(1, 2) for t in (query, key, value))
-    if ring_kernel is None:
+    if mask is not None:
+        out = masked_cp.attend(q, k, v, mask, layout, groups, kernel=kernel, scale=scale)
+    elif ring_kernel is None:
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, scale=scale)
     else:
         block_lengths = [sum(k_cp[i : i + ulysses]) for i in range(0, groups.cp_size, ulysses)]
@@ -243,6 +260,8 @@ class ContextParallelAttention:
         self.kernel = kernel
         # the model's split hooks record every rank's shard lengths in it: attention looks its own up
         self.state = SplitState(groups.cp) if state is None and groups is not None else state
+        # the token layout of mask-spec calls (None: contiguous, as the split hooks shard)
+        self.layout: Layout | None = None
 
     def __call__(
         self,
@@ -257,14 +276,22 @@ class ContextParallelAttention:
         enable_gqa=False,
         where: str | None = None,
     ) -> torch.Tensor:
-        """``(B, S_local, H, D)`` in and out; ``where`` (the attention module's path) prefixes errors."""
+        """``(B, S_local, H, D)`` in and out; ``where`` (the attention module's path) prefixes errors.
+
+        ``attn_mask`` may be a :class:`~cp_lightning.masks.MaskSpec` (a stand-in processor's block-causal or
+        segment mask): it runs as ``cp_attention(..., mask=spec, layout=self.layout)``."""
+        spec = attn_mask if isinstance(attn_mask, MaskSpec) else None
         try:
             if dropout_p or is_causal or enable_gqa:
                 raise ValueError(
                     "context-parallel attention supports neither attention dropout, causal masking nor GQA "
-                    f"(got dropout_p={dropout_p}, is_causal={is_causal}, enable_gqa={enable_gqa})."
+                    f"(got dropout_p={dropout_p}, is_causal={is_causal}, enable_gqa={enable_gqa}); express a "
+                    "causal mask as a cp_lightning.masks.MaskSpec."
                 )
-            attn_mask, rows = collapse_mask(attn_mask, query.shape[1], key.shape[1])
+            if spec is None:
+                attn_mask, rows = collapse_mask(attn_mask, query.shape[1], key.shape[1])
+            else:
+                attn_mask, rows = None, None
         except ValueError as err:
             raise ValueError(f"{where}: {err}" if where else str(err)) from None
         lengths = None
@@ -277,17 +304,24 @@ class ContextParallelAttention:
             # eager: both lengths in one all-gather (one host sync per call, not two); why eager code exchanges
             # rather than looking them up is in SplitState.lengths_of
             lengths = _cp_lengths(query, key, self.state.group, even=False)
-        out = cp_attention(
-            query,
-            key,
-            value,
-            groups=self.groups,
-            attn_mask=attn_mask,
-            scale=scale,
-            kernel=self.kernel,
-            even=self.state.even,
-            lengths=lengths,
-        )
+        try:
+            out = cp_attention(
+                query,
+                key,
+                value,
+                groups=self.groups,
+                attn_mask=attn_mask,
+                scale=scale,
+                kernel=self.kernel,
+                even=self.state.even,
+                lengths=lengths,
+                mask=spec,
+                layout=self.layout,
+            )
+        except ValueError as err:  # a spec's refusals name the module (the others predate this)
+            if spec is None or not where:
+                raise
+            raise ValueError(f"{where}: {err}") from None
         return out if rows is None else out * rows.to(out.dtype)
 
     def __repr__(self) -> str:

@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import _resolve_process_group
 
+from cp_lightning import masked
 from cp_lightning.collectives import record_sent
 from cp_lightning.kernels import Kernel, as_bshd, get_kernel
 
@@ -163,22 +164,33 @@ def _bshd_layout(like: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return like.new_empty((b, s, h, d), dtype=dtype).transpose(1, 2)
 
 
-def _ring_forward(q, k, v, bias, comm, kernel: Kernel, scale, block_lengths):
+def _ring_forward(q, k, v, bias, comm, kernel: Kernel, scale, block_lengths, plan=None):
     """q, k, v: (B, H, S_local, D); bias: None or (B, H|1, 1, S_k_local) additive, in q's dtype; comm: the
     ring's communicator (:func:`ring_comm`); block_lengths: every ring rank's key count, or None when they
-    are all equal. Returns (out, lse)."""
+    are all equal; plan: None, or a mask spec's rectangles per step (``masked.encode``): step s runs only
+    those against the block it holds, and a step without any computes nothing. Returns (out, lse)."""
     bias = None if bias is None else bias.contiguous()
     # blocks travel as contiguous B, S, H, D; the kernels see B, H, S, D views of them
     block_k, block_v, block_bias = _wire(k), _wire(v), bias
     out = lse = None
+    steps = None if plan is None else masked.decode(plan)
+    if steps is not None:  # rows gather their pieces in place: start from out 0, lse -inf
+        out, lse = masked.empty_output(q, accumulation_dtype(q.dtype))
     for step in range(comm.world):
         # post the transfer of the next block before computing on this one: they overlap
         pending = None
         if step + 1 < comm.world:
             pending = _start_blocks(comm, block_k, block_v, block_bias, comm.incoming_length(block_lengths, step))
-        block_out, block_lse = kernel.forward(q, block_k.transpose(1, 2), block_v.transpose(1, 2), block_bias, scale)
-        out, lse = merge(out, lse, block_out, _masked_lse(block_lse, block_bias))
-        del block_out, block_lse
+        if steps is not None:
+            masked.forward_pieces(
+                q, block_k.transpose(1, 2), block_v.transpose(1, 2), steps[step], kernel, scale, out, lse
+            )
+        else:
+            block_out, block_lse = kernel.forward(
+                q, block_k.transpose(1, 2), block_v.transpose(1, 2), block_bias, scale
+            )
+            out, lse = merge(out, lse, block_out, _masked_lse(block_lse, block_bias))
+            del block_out, block_lse
         if pending is not None:
             block_k, block_v, block_bias = _finish_blocks(comm, pending)
     return as_bshd(out).to(q.dtype), lse.contiguous()
@@ -216,7 +228,16 @@ def _key_chunks(keys: int, chunked: bool = True, align: int = 1) -> list[tuple[i
     return [(0, keys)] if not chunked or cut == 0 else [(0, cut), (cut, keys)]
 
 
-def _ring_backward(dout, q, k, v, out, lse, bias, comm, kernel: Kernel, scale, block_lengths):
+def _accumulators(comm, pending, block_k, block_v, acc):
+    """The held block's dK/dV accumulators: new (fp32, B, S, H, D like the blocks) or the previous rank's; and
+    None for the pending transfer (its works held the accumulators sent on: waiting frees them)."""
+    if pending is None:
+        return block_k.new_zeros(block_k.shape, dtype=acc), block_v.new_zeros(block_v.shape, dtype=acc), None
+    dk, dv = comm.finish(pending)
+    return dk, dv, None
+
+
+def _ring_backward(dout, q, k, v, out, lse, bias, comm, kernel: Kernel, scale, block_lengths, plan=None):
     """Gradients (dq, dk, dv) of :func:`_ring_forward`, from its final output and LSE.
 
     Each block's backward runs in two chunks of its keys, a quarter and the rest (the gradient of a key
@@ -240,6 +261,9 @@ def _ring_backward(dout, q, k, v, out, lse, bias, comm, kernel: Kernel, scale, b
     align = 1 if q.device.type == "cpu" else _CHUNK_KEYS
     acc = accumulation_dtype(q.dtype)
     dq = None  # in acc (fp32), laid out B, S, H, D; the first partial gradient becomes it (no copy in fp32)
+    steps = None if plan is None else masked.decode(plan)
+    if steps is not None:  # pieces add into their rows: start from zeros
+        dq = masked.empty_output(q, acc)[0]
     block_k, block_v, block_bias = _wire(k), _wire(v), None if bias is None else bias.contiguous()
     grad_pending = None
     for step in range(comm.world):
@@ -247,7 +271,14 @@ def _ring_backward(dout, q, k, v, out, lse, bias, comm, kernel: Kernel, scale, b
         kv_pending = None
         if step + 1 < comm.world:
             kv_pending = _start_blocks(comm, block_k, block_v, block_bias, incoming)
-        for chunk, (lo, hi) in enumerate(_key_chunks(block_k.shape[1], chunked, align)):
+        if steps is not None:  # a mask spec: this step's rectangles only, added into the accumulators directly
+            dk, dv, grad_pending = _accumulators(comm, grad_pending, block_k, block_v, acc)
+            masked.backward_pieces(
+                dout, q, block_k.transpose(1, 2), block_v.transpose(1, 2), out, lse, steps[step], kernel, scale,
+                dq, dk.transpose(1, 2), dv.transpose(1, 2),
+            )  # fmt: skip
+        chunks = [] if steps is not None else _key_chunks(block_k.shape[1], chunked, align)
+        for chunk, (lo, hi) in enumerate(chunks):
             chunk_bias = None if block_bias is None else block_bias[..., lo:hi]
             dq_part, dk_part, dv_part = kernel.backward(
                 dout,
@@ -261,13 +292,8 @@ def _ring_backward(dout, q, k, v, out, lse, bias, comm, kernel: Kernel, scale, b
             )
             dq = as_bshd(dq_part.to(acc)) if dq is None else dq.add_(dq_part)
             del dq_part
-            if chunk == 0:  # this block's accumulators: new (fp32, B, S, H, D like the blocks) or the previous rank's
-                if grad_pending is None:
-                    dk = block_k.new_zeros(block_k.shape, dtype=acc)
-                    dv = block_v.new_zeros(block_v.shape, dtype=acc)
-                else:
-                    dk, dv = comm.finish(grad_pending)
-                    grad_pending = None  # its works held the accumulators sent on: free them
+            if chunk == 0:
+                dk, dv, grad_pending = _accumulators(comm, grad_pending, block_k, block_v, acc)
             dk[:, lo:hi] += dk_part.transpose(1, 2)
             dv[:, lo:hi] += dv_part.transpose(1, 2)
             del dk_part, dv_part
@@ -297,13 +323,14 @@ def ring_attention_forward(
     kernel: str,
     scale: float | None,
     block_lengths: list[int] | None,
+    plan: list[int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Ring attention forward: (out (B, H, S_local, D) laid out B, S, H, D; lse (B, H, S_local) fp32)."""
-    return _ring_forward(q, k, v, bias, ring_comm(group_name), get_kernel(kernel), scale, block_lengths)
+    return _ring_forward(q, k, v, bias, ring_comm(group_name), get_kernel(kernel), scale, block_lengths, plan)
 
 
 @ring_attention_forward.register_fake
-def _(q, k, v, bias, group_name, kernel, scale, block_lengths):
+def _(q, k, v, bias, group_name, kernel, scale, block_lengths, plan=None):
     b, h, s, _ = q.shape
     return _bshd_layout(q, q.dtype), q.new_empty((b, h, s), dtype=accumulation_dtype(q.dtype))
 
@@ -321,19 +348,20 @@ def ring_attention_backward(
     kernel: str,
     scale: float | None,
     block_lengths: list[int] | None,
+    plan: list[int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Ring attention backward: (dq, dk, dv), each laid out B, S, H, D like the forward's output."""
     comm = ring_comm(group_name)
-    return _ring_backward(dout, q, k, v, out, lse, bias, comm, get_kernel(kernel), scale, block_lengths)
+    return _ring_backward(dout, q, k, v, out, lse, bias, comm, get_kernel(kernel), scale, block_lengths, plan)
 
 
 @ring_attention_backward.register_fake
-def _(dout, q, k, v, out, lse, bias, group_name, kernel, scale, block_lengths):
+def _(dout, q, k, v, out, lse, bias, group_name, kernel, scale, block_lengths, plan=None):
     return _bshd_layout(q, q.dtype), _bshd_layout(k, k.dtype), _bshd_layout(v, v.dtype)
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    q, k, v, bias, ctx.group_name, ctx.kernel, ctx.scale, ctx.block_lengths = inputs
+    q, k, v, bias, ctx.group_name, ctx.kernel, ctx.scale, ctx.block_lengths, ctx.plan = inputs
     out, lse = output
     ctx.mark_non_differentiable(lse)
     ctx.save_for_backward(q, k, v, out, lse, bias)
@@ -343,25 +371,35 @@ def _backward(ctx, dout, _dlse):
     # the recomputation per block with the final output and LSE is exact (see the module docstring)
     q, k, v, out, lse, bias = ctx.saved_tensors
     dq, dk, dv = ring_attention_backward(
-        dout, q, k, v, out, lse, bias, ctx.group_name, ctx.kernel, ctx.scale, ctx.block_lengths
+        dout, q, k, v, out, lse, bias, ctx.group_name, ctx.kernel, ctx.scale, ctx.block_lengths, ctx.plan
     )
-    return dq, dk, dv, None, None, None, None, None
+    return dq, dk, dv, None, None, None, None, None, None
 
 
 ring_attention_forward.register_autograd(_backward, setup_context=_setup_context)
 
 
 def ring_attention(
-    q, k, v, *, group: dist.ProcessGroup, kernel: Kernel, bias=None, scale=None, block_lengths: list[int] | None = None
+    q,
+    k,
+    v,
+    *,
+    group: dist.ProcessGroup,
+    kernel: Kernel,
+    bias=None,
+    scale=None,
+    block_lengths: list[int] | None = None,
+    plan: list[int] | None = None,
 ) -> torch.Tensor:
     """Exact attention of local queries over the K/V blocks of every rank in ``group`` (all (B, H, S, D)).
 
     ``group``: a process group, or anything with the ``group_name`` of a communicator registered with
     :func:`register_comm` (a ``ring_threads.ThreadRing``).
     ``block_lengths``: each ring rank's key count when they differ (None: all equal to this rank's).
+    ``plan``: a mask spec's rectangles per step (``masked.encode``; cp_lightning.masked_cp builds it).
     The output is laid out as contiguous (B, S, H, D).
     """
     if block_lengths is not None and len(set(block_lengths)) == 1:
         block_lengths = None
-    out, _ = ring_attention_forward(q, k, v, bias, group.group_name, kernel.name, scale, block_lengths)
+    out, _ = ring_attention_forward(q, k, v, bias, group.group_name, kernel.name, scale, block_lengths, plan)
     return out

@@ -1,12 +1,11 @@
-"""Mask specs (cp_lightning.masks) under context parallelism, against one process with the spec's dense mask.
+"""Mask specs (cp_lightning.masks) in one process: the specs, the rectangles, balance, and the ring loop.
 
-Pure Python first: each constructor against the definition it follows (diffusers' Flux.2 KV and Qwen-Image 2.1
-code, CausVid's teacher-forcing mask), refusals, the rectangles a layout executes against the dense mask, and
-the balance of executed area per rank on the shapes of DESIGN.md section 9.1. Then the shipped ring loop over
-virtual ranks (cp_lightning.ring_threads) at P = 2, 4, 8, and ``cp_attention(..., mask=spec)`` at cp 2, 3, 4 in
-Ulysses, ring and USP 2x2 with both layouts: every process case of the file runs in one worker group per world
-size, which computes only the cases this run selected (tests.conftest.selected) and returns error figures.
-Tolerances: fp64 1e-12; fp32 outputs 1e-5, gradients 1e-4 (relative to the largest reference value).
+Each constructor against the definition it follows (diffusers' Flux.2 KV and Qwen-Image 2.1 code, CausVid's
+teacher-forcing mask); refusals; the rectangles a layout executes against the dense mask; the balance of executed
+area per rank on the shapes of DESIGN.md section 9.1; no S x S tensor; and the shipped ring loop over virtual
+ranks (cp_lightning.ring_threads) at P = 2, 4, 8 against fp64 SDPA math with the spec's dense mask. The process
+grid (cp_attention at cp 2, 3, 4) is tests/test_masks_cp.py. Tolerances: fp64 1e-12; fp32 outputs 1e-5,
+gradients 1e-4 (relative to the largest reference value).
 """
 
 from __future__ import annotations
@@ -17,8 +16,6 @@ import torch.nn.functional as F
 
 from cp_lightning import masks as M
 from cp_lightning.mask_layout import Layout, balance, executed_area, pieces, ring_areas, ring_idling, ring_positions
-from tests.conftest import selected
-from tests.distributed import spawn
 
 TOL = {"float64": (1e-12, 1e-12), "float32": (1e-5, 1e-4)}
 
@@ -62,7 +59,7 @@ def test_block_causal_is_block_of_key_at_most_block_of_query_with_window_sink_an
     seen = (block[None, :] <= block[:, None]) & ((k >= end[:, None] - window) | (k < sink))
     assert torch.equal(dense, seen)
     assert torch.equal(M.block_causal(frames, t, n).to_dense(), block[None, :] <= block[:, None])
-    assert q.shape[0] == M.block_causal(frames, t, n).length
+    assert M.block_causal(frames, t, n).length == q.shape[0] == frames * t
 
 
 def test_teacher_forcing_is_causvids_mask():
@@ -207,6 +204,31 @@ def test_a_ring_that_idles_under_teacher_forcing_is_warned():
         warn_if_idle(spec, layout, 4)
 
 
+def test_no_tensor_of_s_squared_elements_forward_or_backward():
+    """Every tensor an op returns while a spec runs, forward and backward, is at most the (B, S, H, D) inputs' size,
+    far below S^2 elements (a dense mask at the 8,192 tokens of the block-causal case: 67M)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from cp_lightning.masked import local_attention
+
+    class Largest(TorchDispatchMode):
+        numel = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in out if isinstance(out, tuple | list) else (out,):
+                if isinstance(t, torch.Tensor):
+                    Largest.numel = max(Largest.numel, t.numel())
+            return out
+
+    for spec in (M.block_causal(32, 256, 4), M.qwen_image_segments([(0, 256, True)], 2048)):  # + causal tiles
+        q, k, v = (torch.randn(1, spec.length, 1, 4, requires_grad=True) for _ in range(3))
+        Largest.numel = 0
+        with Largest():
+            local_attention(q, k, v, spec).sum().backward()
+        assert 0 < Largest.numel <= spec.length * 4 < spec.length**2 // 100
+
+
 # ----- the shipped ring loop over virtual ranks ----------------------------------------------------------------
 
 
@@ -252,192 +274,20 @@ THREAD_CASES = [
 ]
 
 
-@pytest.mark.parametrize("case", THREAD_CASES)
-def test_thread_ring_matches_one_process(case):
-    name, ranks, layout, dtype = case
+@pytest.mark.parametrize("thread_case", THREAD_CASES)
+def test_thread_ring_matches_one_process(thread_case):
+    name, ranks, layout, dtype = thread_case
     out_err, *grad_errs = thread_ring_case(name, ranks, layout, getattr(torch, dtype))
     out_tol, grad_tol = TOL[dtype]
     assert out_err <= out_tol and max(grad_errs) <= grad_tol, (out_err, grad_errs)
 
 
-# ----- cp_attention(..., mask=spec) across processes -------------------------------------------------------------
+def test_masks_benchmark_runs_tiny(capsys):
+    from benchmarks import masks as bench
 
-MODES = [(2, 1), (2, 2), (3, 1), (3, 3), (4, 1), (4, 4), (4, 2)]  # (cp, ring): Ulysses, ring, USP 2x2 at 4
-# the rows every run computes; the rest of the grid is marked slow
-QUICK = {
-    (2, 1, "contiguous", "block5", "float64"),
-    (2, 2, "head_tail", "qwen", "float64"),
-    (3, 1, "head_tail", "teacher", "float64"),
-    (3, 3, "head_tail", "documents", "float32"),
-    (4, 1, "head_tail", "prefix_only", "float64"),
-    (4, 4, "head_tail", "block5", "float64"),
-    (4, 2, "head_tail", "block2", "float64"),
-    (4, 2, "contiguous", "qwen", "float32"),
-}
-CP_CASES = [
-    (world, ring, layout, name, dtype)
-    for world, ring in MODES
-    for layout in ("contiguous", "head_tail")
-    for name in SPECS
-    for dtype in ("float64", "float32")
-    if dtype == "float64" or name in ("block5", "qwen")
-]
-# causality probes: (cp, ring, layout)
-PROBES = [(2, 1, "head_tail"), (2, 2, "head_tail"), (4, 1, "contiguous"), (4, 4, "head_tail"), (4, 2, "head_tail")]
-
-
-def heads_for(world: int, ring: int) -> int:
-    """One head more than the Ulysses degree: uneven head groups wherever Ulysses runs."""
-    ulysses = world // ring
-    return ulysses + 1 if ulysses > 1 else 2
-
-
-def _cp_run(spec, layout, groups, q, k, v, dout, dtype):
-    """This rank's (out, dq, dk, dv) of cp_attention over its layout shard of the full (B, S, H, D) tensors."""
-    import torch.distributed as dist
-
-    from cp_lightning.attention import cp_attention
-
-    rank = dist.get_rank(groups.cp)
-    leaves = [layout.shard(t, 1, rank).to(dtype).requires_grad_() for t in (q, k, v)]
-    out = cp_attention(*leaves, groups=groups, mask=spec, layout=layout)
-    out.backward(layout.shard(dout, 1, rank).to(dtype))
-    return [out.detach(), *(t.grad for t in leaves)]
-
-
-def _inputs(spec, heads, seed=7):
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randn(1, spec.length, heads, 4, generator=g, dtype=torch.float64) for _ in range(4)]  # B, S, H, D
-
-
-def _cp_case(case, groups):
-    """Relative errors (out, dq, dk, dv) of this rank's shard against the one-process reference's."""
-    import torch.distributed as dist
-
-    world, ring, layout_name, name, dtype = case
-    spec = SPECS[name]()
-    q, k, v, dout = _inputs(spec, heads_for(world, ring))
-    # B, S, H, D -> B, H, S, D for the reference and back
-    ref = [t.transpose(1, 2) for t in reference(spec, *(t.transpose(1, 2) for t in (q, k, v, dout)))]
-    layout = layout_of(layout_name, spec.length, world)
-    got = _cp_run(spec, layout, groups, q, k, v, dout, getattr(torch, dtype))
-    rank = dist.get_rank(groups.cp)
-    return [
-        ((a.double() - layout.shard(r, 1, rank)).abs().max() / r.abs().max()).item()
-        for a, r in zip(got, ref, strict=True)
-    ]
-
-
-def _probe(probe, groups):
-    """Perturb the last block's q, k, v: every earlier output and the gradients of the earlier outputs' loss
-    must stay bitwise equal (and be exactly 0 at the last block's inputs); the last block's outputs change."""
-    import torch.distributed as dist
-
-    world, ring, layout_name = probe
-    spec = SPECS["block5"]()
-    last = spec.slices[-1].q_lo  # the tail block (one frame)
-    q, k, v, dout = _inputs(spec, heads_for(world, ring))
-    dout[:, last:] = 0  # the loss covers the earlier blocks only
-    layout = layout_of(layout_name, spec.length, world)
-    rank = dist.get_rank(groups.cp)
-    base = _cp_run(spec, layout, groups, q, k, v, dout, torch.float64)
-    q, k, v = (t.clone() for t in (q, k, v))
-    for t in (q, k, v):
-        t[:, last:] += 1.0
-    moved = _cp_run(spec, layout, groups, q, k, v, dout, torch.float64)
-    is_last = layout.shard(torch.arange(spec.length) >= last, 0, rank)
-    early = [torch.equal(a[:, ~is_last], b[:, ~is_last]) for a, b in zip(base, moved, strict=True)]
-    zero_grads = all(not t[:, is_last].any() for t in base[1:] + moved[1:])
-    changed = not is_last.any() or not torch.equal(base[0][:, is_last], moved[0][:, is_last])
-    return {"early_equal": all(early), "last_grads_zero": zero_grads, "last_changed": changed}
-
-
-def _bad_inputs(groups):
-    """Each refusal on every rank, with no byte sent; the group stays in step (the cases after it run)."""
-    import torch.distributed as dist
-
-    from cp_lightning.attention import ContextParallelAttention, cp_attention
-    from cp_lightning.collectives import count_bytes
-
-    world, rank = groups.cp_size, dist.get_rank(groups.cp)
-    spec = M.block_causal(2 * world, 2, 2)
-    x = torch.randn(1, 4, 2, 4)  # 4 tokens a rank: the spec has 4 * world
-    longer = M.block_causal(2 * world + 1, 2, 2)
-    calls = {
-        "token_count": lambda: cp_attention(x, x, x, groups=groups, mask=longer, even=True),
-        "layout_length": lambda: cp_attention(x, x, x, groups=groups, mask=spec, layout=Layout.contiguous(9, world)),
-        "spec_and_tensor": lambda: cp_attention(x, x, x, groups=groups, mask=spec, attn_mask=torch.ones(1, 1, 1, 4)),
-        "routed_token_count": lambda: ContextParallelAttention(groups)(x, x, x, attn_mask=longer, where="blocks.0"),
-    }
-    refused = {}
-    for name, call in calls.items():
-        with count_bytes() as sent:
-            try:
-                call()
-                refused[name] = "not refused"
-            except ValueError as err:
-                refused[name] = str(err)
-        refused[name + "_bytes"] = sum(sent.values())
-    # the routed call (a processor handing the spec as attn_mask) is cp_attention's, bitwise
-    y = torch.randn(1, 4 * world, 3, 4, generator=torch.Generator().manual_seed(1))
-    local = Layout.contiguous(4 * world, world).shard(y, 1, rank)
-    routed = ContextParallelAttention(groups)(local, local, local, attn_mask=spec)
-    refused["routed_equal"] = torch.equal(routed, cp_attention(local, local, local, groups=groups, mask=spec))
-    return refused
-
-
-def _worker(rank, world, cases, probes):
-    from cp_lightning import build_mesh
-    from cp_lightning.mesh import cp_groups
-
-    mesh = build_mesh(world)
-    groups = {ring: cp_groups(mesh, ring) for w, ring in MODES if w == world}  # created collectively, up front
-    results = {"bad": _bad_inputs(groups[1])}
-    results.update({case: _cp_case(case, groups[case[1]]) for case in cases})
-    results.update({probe: _probe(probe, groups[probe[1]]) for probe in probes})
-    return results
-
-
-@pytest.fixture(scope="module")
-def per_world(request):
-    """One worker group per world size computes this run's selected cases, probes and the refusals."""
-    cases, probes = selected(request, "case"), selected(request, "probe")
-    worlds = sorted({c[0] for c in cases if len(c) == 5} | {p[0] for p in probes} | set(selected(request, "world")))
-    return {
-        world: spawn(
-            _worker, world, [c for c in cases if len(c) == 5 and c[0] == world], [p for p in probes if p[0] == world]
-        )
-        for world in worlds
-    }
-
-
-@pytest.mark.parametrize(
-    "case",
-    [
-        pytest.param(c, marks=[] if c in QUICK else [pytest.mark.slow], id="cp{}-ring{}-{}-{}-{}".format(*c))
-        for c in CP_CASES
-    ],
-)
-def test_cp_attention_with_a_mask_spec_matches_one_process(per_world, case):
-    out_tol, grad_tol = TOL[case[4]]
-    for rank, result in enumerate(per_world[case[0]]):
-        out_err, *grad_errs = result[case]
-        assert out_err <= out_tol and max(grad_errs) <= grad_tol, (rank, out_err, grad_errs)
-
-
-@pytest.mark.parametrize("probe", PROBES, ids=["cp{}-ring{}-{}".format(*p) for p in PROBES])
-def test_perturbing_the_last_block_changes_nothing_before_it(per_world, probe):
-    for rank, result in enumerate(per_world[probe[0]]):
-        assert all(result[probe].values()), (rank, result[probe])
-
-
-@pytest.mark.parametrize("world", [2, 3, 4])
-def test_bad_input_is_refused_on_every_rank_before_any_collective(per_world, world):
-    for rank, result in enumerate(per_world[world]):
-        bad = result["bad"]
-        assert "the sequence has" in bad["token_count"], bad
-        assert "but the layout" in bad["layout_length"], bad
-        assert "not both" in bad["spec_and_tensor"], bad
-        assert bad["routed_token_count"].startswith("blocks.0: "), bad
-        assert not any(bad[name] for name in bad if name.endswith("_bytes")), (rank, bad)
-        assert bad["routed_equal"], rank
+    out = bench.main(["--frame-tokens", "2", "--heads", "1", "--head-dim", "4", "--repeats", "1", "--ranks", "2"])
+    assert len(out["timing"]) == len(bench.timing_specs(2)) and len(out["balance"]) == len(bench.SHAPES)
+    skyreels = out["balance"][0]  # head_tail balanced, contiguous not
+    assert float(skyreels[6]) <= 1.02 < 1.3 <= float(skyreels[4]), skyreels
+    printed = capsys.readouterr().out
+    assert "| full | 48 | 1.000 |" in printed and "| skyreels_df 25/5 | 2 | 0.600 | 1.00 | 1.400 |" in printed
