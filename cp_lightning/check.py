@@ -44,6 +44,7 @@ import torch.distributed as dist
 from torch import nn
 
 from cp_lightning.models import CASES, TinyCase
+from cp_lightning.tiny import checkpoint, construct
 
 OUT_TOL = 1e-5
 GRAD_TOL = 1e-4
@@ -147,7 +148,7 @@ def build(case: TinyCase, seed: int = 0) -> list[nn.Module]:
     models = []
     for expert in range(case.experts):
         torch.manual_seed(seed + expert)
-        model = cls(**case.config)
+        model = construct(cls, case.config)
         _wake(model, seed + 100 + expert)
         models.append(model)
     return models
@@ -234,8 +235,8 @@ class Reference:
         # with checkpointing on both sides: a model's checkpointed path may differ from its plain one
         # (diffusers 0.42.1 Chroma drops the mask in checkpointed single blocks)
         self.ckpt = ckpt
-        for model in self.models if ckpt else ():
-            model.enable_gradient_checkpointing()
+        for model in self.models if ckpt and getattr(self.models[0], "_supports_gradient_checkpointing", True) else ():
+            model.enable_gradient_checkpointing(checkpoint)  # (Sana-WM's refiner has none: its rows run plain)
         self.inputs = make_inputs(case, self.models, tokens, text_tokens)
         self.outs = forward_backward(self.models, self.inputs)
         self.grads = grads(self.models)
@@ -255,8 +256,8 @@ def run_cp(ref: Reference, mesh, ring: int, *, plan: Mapping | None = None) -> d
 
     models = copy.deepcopy(ref.pristine)
     for model in models:
-        if ref.ckpt:
-            model.enable_gradient_checkpointing()
+        if ref.ckpt and getattr(model, "_supports_gradient_checkpointing", True):
+            model.enable_gradient_checkpointing(checkpoint)
         parallelize(model, mesh=mesh, ring=ring, plan=plan)
     try:
         outs = forward_backward(models, ref.inputs)

@@ -20,7 +20,8 @@ Processors come in three kinds:
 * **stand-in**: a stock processor whose own code cannot run on split tokens but whose attention is one
   masked SDPA in disguise (Mochi's per-sample unpadding) is swapped for the stand-in its family module
   registers in :data:`STAND_INS` (``factory(original, attend, runs_cp)``); the stand-in calls
-  ``attend(q, k, v, key_mask)`` (CP attention) inside the split region and the original elsewhere.
+  ``attend(q, k, v, key_mask)`` (CP attention) inside the split region and the original elsewhere, and
+  cuts a whole per-token tensor it is handed (a mask built from the full inputs) with :func:`local_shard`.
 * **anything else** is refused by :func:`check_processors` before any communication, unless the plan
   declares the module :class:`~cp_lightning.plan.Unsplit`.
 
@@ -49,8 +50,11 @@ from torch import nn
 from torch.fx.node import has_side_effect
 from torch.utils.hooks import RemovableHandle
 
+from cp_lightning import collectives
 from cp_lightning.attention import ContextParallelAttention
 from cp_lightning.linear_attention import LINEAR_PROCESSORS, LinearAttentionCP
+from cp_lightning.masked import local_attention
+from cp_lightning.masks import MaskSpec
 from cp_lightning.split_table import SplitState
 
 # stock processors that call SDPA directly, by class name -> how their keys relate to their queries:
@@ -63,8 +67,13 @@ SDPA_PROCESSORS = {
     "CogView4AttnProcessor": "joint",
     "Lumina2AttnProcessor2_0": "joint",  # self-attention, its keys passed as encoder_hidden_states
     "HiDreamAttnProcessor": "joint",  # image + text, or the single stream's one sequence
+    "AuraFlowAttnProcessor2_0": "joint",  # [text, image] (MMDiT blocks) or the single stream's one sequence
+    "EasyAnimateAttnProcessor2_0": "joint",  # [text, video], or its one stream
     "AttnProcessor2_0": "self",
+    "AllegroAttnProcessor2_0": "self",  # Allegro's self-attention, and cross-attention to the unsplit text
     "SanaAttnProcessor2_0": "self",  # Sana's cross-attention to the text
+    "HunyuanAttnProcessor2_0": "self",  # HunyuanDiT: self-attention, and cross-attention to the unsplit text
+    "LuminaAttnProcessor2_0": "self",  # Lumina-Next: the same, its self-attention passing keys as encoder states
 }
 
 # dispatch processors that pass their ``_parallel_config`` for cross-attention to unsplit text too; such a
@@ -72,7 +81,7 @@ SDPA_PROCESSORS = {
 # copies of it would give the same result at cp times the key work (see ``Route.cross_local``). Not
 # Kandinsky 5's: its RoPE rounds queries and keys, and in backward their gradients, to bfloat16, which only
 # the copies path keeps within 1e-4 (each rank's text keys get 1/cp of the full gradient, not a partial one)
-CROSS_LOCAL_DISPATCH = ("SanaAttnProcessor2_0",)
+CROSS_LOCAL_DISPATCH = ("SanaAttnProcessor2_0", "BriaFibo2AttnProcessor", "AnyFlowCrossAttnProcessor")
 
 # stock processors that call ``dispatch_attention_fn`` with no ``parallel_config`` at all (and whose only
 # cross-token operation is that call); their cross-attention to unsplit text stays local, as for "self"
@@ -217,6 +226,7 @@ def _routed_dispatch(original):
     parameters = inspect.signature(original).parameters
     names = list(parameters)
     defaults = {name: p.default for name, p in parameters.items() if p.default is not inspect.Parameter.empty}
+    mask_at = names.index("attn_mask")
 
     @functools.wraps(original)
     def dispatch_attention_fn(*args, **kwargs):
@@ -224,19 +234,31 @@ def _routed_dispatch(original):
         if "parallel_config" not in kwargs:  # a BARE_DISPATCH processor's call: its module's route decides
             route, _ = _active()
             config = route.config if route is not None and route.bare else None
-        if not isinstance(config, ContextParallelAttention):
-            return original(*args, **kwargs)
         route, cp = _active()
-        if not cp:
+        if not isinstance(config, ContextParallelAttention) or not cp:
+            spec = args[mask_at] if len(args) > mask_at else kwargs.get("attn_mask")
+            if isinstance(spec, MaskSpec):  # diffusers cannot take a spec: run it here, over the local tokens
+                a = {**defaults, **dict(zip(names, args, strict=False)), **kwargs}
+                return local_attention(a["query"], a["key"], a["value"], spec, scale=a["scale"])
+            if not isinstance(config, ContextParallelAttention):
+                return original(*args, **kwargs)
             return original(*args, **{**kwargs, "parallel_config": None})
         a = dict(defaults)
         a.update(zip(names, args, strict=False))  # trailing defaults may be omitted
         a.update(kwargs)
+        mask = a["attn_mask"]
+        if (
+            isinstance(mask, torch.Tensor)
+            and mask.dim() == 2
+            and mask.shape == (a["query"].shape[0], a["key"].shape[1])
+        ):
+            # diffusers' native backend reads a (B, S_k) mask as the key mask (B, 1, 1, S_k) (NucleusMoE passes one)
+            mask = mask[:, None, None, :]
         return config(
             a["query"],
             a["key"],
             a["value"],
-            attn_mask=a["attn_mask"],
+            attn_mask=mask,
             dropout_p=a["dropout_p"],
             is_causal=a["is_causal"],
             scale=a["scale"],
@@ -261,6 +283,10 @@ class _RoutedFunctional:
         self, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False
     ):
         route, cp = _active()
+        if isinstance(attn_mask, MaskSpec) and (route is None or route.kind == "dispatch" or not cp):
+            # B, H, S, D -> B, S, H, D for the spec's rectangles over the local tokens and back
+            out = local_attention(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), attn_mask)
+            return out.transpose(1, 2)
         if route is None or route.kind == "dispatch" or not cp:
             real = self.__cp_lightning_original__.scaled_dot_product_attention
             return real(
@@ -291,12 +317,30 @@ def _attend(query, key, value, attn_mask=None):
     )  # fmt: skip
 
 
+def local_shard(x: torch.Tensor, dim: int) -> torch.Tensor:
+    """A stand-in's share of a whole, replicated per-token tensor (Ideogram 4's segment mask, which its model builds
+    from the full inputs): this rank's slice along ``dim``, cut as the split hooks cut the sequence (no collective)."""
+    route, _ = _active()
+    return collectives.shard(x, dim, route.config.state.group)
+
+
+def shard_span(x: torch.Tensor, dim: int) -> tuple[int, int]:
+    """Where a stand-in's local tokens sit in the whole sequence: (this rank's offset, the full length) of ``x``'s
+    ``dim``, for attention whose keys depend on a token's global position (Wan-Animate's per-frame face attention).
+    Eager code exchanges the ranks' lengths (one small all-gather), compiled code looks them up (SplitState)."""
+    route, _ = _active()
+    state = route.config.state
+    lengths = state.lengths_of(x, dim, route.name)
+    return sum(lengths[: state.rank]), sum(lengths)
+
+
 def _has_encoder_states(module: nn.Module, args, kwargs) -> bool:
-    if "encoder_hidden_states" in kwargs:
-        return kwargs["encoder_hidden_states"] is not None
+    """Whether a call attends to other tokens than its queries' own: encoder_hidden_states given, and not the
+    hidden_states tensor itself (Lumina-Next's self-attention passes its own tokens as both)."""
     params = list(inspect.signature(module.forward).parameters)
-    index = params.index("encoder_hidden_states") if "encoder_hidden_states" in params else None
-    return index is not None and index < len(args) and args[index] is not None
+    named = {**dict(zip(params, args, strict=False)), **kwargs}
+    encoder = named.get("encoder_hidden_states")
+    return encoder is not None and encoder is not named.get("hidden_states")
 
 
 def route_processors(

@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+import torch.utils.checkpoint
 from torch import nn
 
 __all__ = ["MODELS", "tiny_model", "tiny_inputs"]
@@ -135,6 +136,24 @@ def _ltx_inputs(model, g, batch, tokens, text_tokens, dtype):
         "width": tokens // frames // side_h,
         "rope_interpolation_scale": (1.0, 1.0, 1.0),
     }
+
+
+def construct(cls: type, config: dict) -> nn.Module:
+    """``cls(**config)`` with ``torch.empty`` zero-filled while it runs. diffusers leaves a few parameters uninitialised
+    (NucleusMoE's experts, Lumina-Next's pad token): built zero, the checker's ``_wake`` gives them seeded values, the
+    same on every rank, where uninitialised memory would differ from rank to rank."""
+    empty = torch.empty
+    torch.empty = lambda *args, **kwargs: empty(*args, **kwargs).zero_()
+    try:
+        return cls(**config)
+    finally:
+        torch.empty = empty
+
+
+def checkpoint(module: nn.Module, *args, **kwargs):
+    """diffusers' default gradient-checkpointing function, also taking keyword arguments: diffusers 0.42.1's
+    HunyuanImage passes some, and its default function (positional only) raises TypeError, in one process too."""
+    return torch.utils.checkpoint.checkpoint(module.__call__, *args, use_reentrant=False, **kwargs)
 
 
 def _frames(tokens: int) -> int:

@@ -139,6 +139,43 @@ def test_block_causal_skyreels_is_refused_before_any_collective():
         plan_for(SkyReelsV2Transformer3DModel(**config))
 
 
+def test_omnigen_is_refused_before_any_collective():
+    import torch
+    from diffusers import OmniGenTransformer2DModel
+
+    from cp_lightning.models import plan_for
+
+    factors = {"short_factor": [1.0] * 4, "long_factor": [1.0] * 4}
+    with torch.device("meta"):
+        model = OmniGenTransformer2DModel(
+            hidden_size=32, num_attention_heads=4, num_key_value_heads=4, intermediate_size=32, num_layers=1,
+            vocab_size=16, pad_token_id=0, rope_scaling=factors, pos_embed_max_size=8, time_step_dim=16,
+        )  # fmt: skip
+    with pytest.raises(ValueError, match="causal over the condition tokens"):
+        plan_for(model)
+
+
+@pytest.mark.parametrize(
+    "cls, why",
+    [
+        ("AnyFlowFARTransformer3DModel", "frame-causal FlexAttention BlockMask"),
+        ("WanAnimate2Transformer3DModel", "FlexAttention block mask"),
+        ("Kandinsky6SRTransformer3DModel", "NABLA sparse attention"),
+        ("SanaWMTransformer3DModel", "Gated DeltaNet"),
+    ],
+)
+def test_video_classes_that_cannot_be_exact_are_refused_with_the_reason(cls, why):
+    """Whole classes the library refuses (their attention has no exact CP form yet): plan_for raises the reason."""
+    import diffusers
+
+    from cp_lightning.models import plan_for
+
+    klass = getattr(diffusers, cls)
+    with pytest.raises(ValueError, match=why) as info:
+        plan_for(klass.__new__(klass))  # the refusal reads no config: no instance needs building
+    assert f"{cls} cannot be made exactly context parallel" in str(info.value)
+
+
 # ---------------------------------------------------------------- the checker CLI
 
 # diffusers' ChronoEdit plan: per-token timesteps stay whole while the tokens are split (a crash)
@@ -281,6 +318,12 @@ def test_loss_parallel_is_refused_for_plans_whose_last_gather_returns_into_a_blo
             refused[name] = str(err)
     # Sana's feed-forward convolves the token grid, so its plan gathers around each attention like Helios's;
     # HiDream's forward cuts the last block's gathered output by full lengths
-    assert sorted(refused) == ["helios", "hidream-i1", "sana", "sana-video"], refused
+    # image DiTs whose forward cuts the image tokens out of the gathered joint sequence (issue 46)
+    cut = ["bria-fibo2", "ernie-image", "krea2"]
+    # video DiTs (issue 46) whose forward regroups the gathered tokens by full lengths or the whole grid
+    video = ["anyflow", "consisid", "hunyuanvideo-framepack", "kandinsky6", "latte"]
+    assert sorted(refused) == sorted(["helios", "hidream-i1", "sana", "sana-video", *cut, *video]), refused
+    assert all("Train it without loss_parallel" in refused[name] for name in video), refused
+    assert all("cuts the image tokens out of" in refused[name] for name in cut), refused
     assert "'blocks.0.ffn'" in refused["helios"] and "without loss_parallel" in refused["helios"]
     assert "cuts the last block's output" in refused["hidream-i1"] and "without loss_parallel" in refused["hidream-i1"]

@@ -122,6 +122,10 @@ def plan_for(module: nn.Module) -> Mapping:
 FAMILIES = (
     *("wan", "flux", "chroma", "qwenimage", "zimage", "minimax"),
     *("hunyuan", "sd3", "kandinsky", "ltx", "helios", "sana", "cogview", "lumina", "cosmos", "mochi", "hidream"),
+    *("cogvideo", "easyanimate", "allegro", "framepack", "anyflow", "wan_animate", "latte", "motif"),
+    *("kandinsky6", "sana_wm"),
+    *("auraflow", "bria_fibo", "fluxlike", "flux3", "dit", "ernie", "hunyuan_image", "ideogram", "joyimage"),
+    *("omnigen", "prx", "krea", "nucleus"),
 )
 
 

@@ -71,3 +71,60 @@ register(
         note="joint caption + image sequence, per-sample caption lengths, GQA",
     ),
 )
+
+
+# Lumina-Next: self-attention over the image tokens and gated cross-attention to the caption in every block, both
+# from the stock ``LuminaAttnProcessor2_0`` (SDPA-direct, routed; it repeats its grouped key/value heads itself). The
+# self-attention passes its own tokens as ``encoder_hidden_states``, which routing.py tells from the cross-attention
+# to the caption (that one runs locally, against the whole caption). ``patch_embedder`` returns the tokens, their
+# (all-ones) key mask, the image sizes and the RoPE table (1, S, D/2) cropped from the full one: all but the sizes
+# are split after it. ``norm_out`` is per token (it projects to the patch channels); its output is gathered before
+# ``forward`` reshapes it. The pipeline's proportional attention (``cross_attention_kwargs["base_sequence_length"]``,
+# an inference option) scales the scores by the processor's local sequence length: do not train with it under CP.
+_PATCHES = {i: In(split_dim=1, expected_dims=dims, split_output=True) for i, dims in ((0, 3), (1, 2), (3, 3))}
+LUMINA_NEXT = PlanEntry(
+    "LuminaNextDiT2DModel",
+    {"patch_embedder": _PATCHES, "norm_out": Out(gather_dim=1, expected_dims=3)},
+    needs="CP-aware processors for SDPA-direct processors (LuminaAttnProcessor2_0)",
+)
+
+
+def _next_inputs(model, g, batch, tokens, text_tokens, dtype):
+    from diffusers.models.embeddings import get_2d_rotary_pos_embed_lumina
+
+    cfg = model.config
+    h, p = _factor(tokens), cfg.patch_size
+    mask = torch.ones(batch, text_tokens, dtype=torch.long)
+    mask[1:, -2:] = 0  # the second caption ends in two padding tokens
+    return {
+        "hidden_states": torch.randn(batch, cfg.in_channels, p * h, p * (tokens // h), generator=g, dtype=dtype),
+        "timestep": torch.rand(batch, generator=g, dtype=dtype),
+        "encoder_hidden_states": torch.randn(batch, text_tokens, cfg.cross_attention_dim, generator=g, dtype=dtype),
+        "encoder_mask": mask,
+        "image_rotary_emb": get_2d_rotary_pos_embed_lumina(model.head_dim, 16, 16),
+        "cross_attention_kwargs": {},  # the blocks unpack it: None would fail
+    }
+
+
+register(
+    LUMINA_NEXT,
+    TinyCase(
+        "lumina-next",
+        "LuminaNextDiT2DModel",
+        dict(
+            sample_size=16,
+            patch_size=2,
+            in_channels=4,
+            hidden_size=32,
+            num_layers=1,
+            num_attention_heads=4,
+            num_kv_heads=2,  # grouped-query attention, repeated by the processor
+            multiple_of=16,
+            learn_sigma=False,
+            cross_attention_dim=16,
+        ),
+        _next_inputs,
+        unused=("pad_token",),  # a parameter diffusers' forward never reads
+        note="gated cross-attention to the caption, GQA; no gradient checkpointing in diffusers (rows run plain)",
+    ),
+)

@@ -44,16 +44,25 @@ def _split(
 
 
 def _split_value(value, spec, group, where: str, check=None, state=None, arg=None, opens=True):
+    if spec is None:  # an item the plan leaves whole (Allegro's RoPE frequency tables beside its split positions)
+        return value
     if isinstance(value, torch.Tensor):
         if isinstance(spec, (list, tuple)):
             raise TypeError(f"{where}: the plan has a list of {len(spec)} specs but the value is a single tensor.")
         return _split(value, spec, group, where, check, state, arg, opens)
+    if isinstance(value, Mapping):  # a dict of tensors (AnyFlow's {"query": ..., "key": ...} RoPE): each value
+        return type(value)(
+            {k: _split_value(v, spec, group, f"{where}[{k!r}]", check, state, opens=opens) for k, v in value.items()}
+        )
     if isinstance(value, (list, tuple)):
         specs = spec if isinstance(spec, (list, tuple)) else [spec] * len(value)
         if len(specs) != len(value):
             raise ValueError(f"{where}: the plan has {len(specs)} specs for a sequence of {len(value)} values.")
+        # nested sequences are split item by item with their spec (JoyImage's rope: ((cos, sin), (cos, sin) | None))
         out = [
-            _split(v, s, group, f"{where}[{i}]", check, state, opens=opens) if isinstance(v, torch.Tensor) else v
+            _split_value(v, s, group, f"{where}[{i}]", check, state, opens=opens)
+            if isinstance(v, (torch.Tensor, list, tuple))
+            else v
             for i, (v, s) in enumerate(zip(value, specs, strict=True))
         ]
         return type(value)(out)

@@ -111,7 +111,8 @@ def _find_modules(root: nn.Module, path: str) -> list[tuple[str, nn.Module]]:
 def _check_inputs(path: str, module: nn.Module, spec: Mapping) -> None:
     params = inspect.signature(module.forward).parameters
     for key, value in spec.items():
-        items = value if isinstance(value, (list, tuple)) else [value]
+        # a list of specs is per item of a sequence argument; None leaves that item whole
+        items = [item for item in value if item is not None] if isinstance(value, (list, tuple)) else [value]
         if not items or not all(isinstance(item, ContextParallelInput) for item in items):
             raise TypeError(
                 f"plan entry {path!r}[{key!r}] must be a ContextParallelInput or a list of them, got {value!r}."
