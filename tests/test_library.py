@@ -24,6 +24,7 @@ NAMES = sorted(CASES) if not os.environ.get("CP_LIBRARY_CASES") else os.environ[
 TOKENS = 21  # neither 2 nor 4 divides it
 LAYOUTS = [(2, 1), (2, 2), (4, 1), (4, 4), (4, 2)]  # (cp, ring): Ulysses, ring, Ulysses, ring, USP 2x2
 PARITY = [(name, cp, ring, ckpt) for name in NAMES for cp, ring in LAYOUTS for ckpt in (False, True)]
+QUICK = {"flux", "wan2.1", "ltx2"}  # the edit-test loop's cases (-m "not slow"); the full suite runs every one
 
 
 def _all_cases(rank, world, names):
@@ -62,6 +63,8 @@ def results(request):
     names = sorted({case[0] for case in selected(request, "case")})  # the selected rows' cases only
     if module_selected(request, "test_mochi_processor_is_stood_in_for_inside_parallelize_and_restored_after"):
         names = sorted({*names, "mochi"})
+    if module_selected(request, "test_the_docs_table_is_generated_from_the_library_and_its_parity_rows"):
+        names = list(NAMES)  # the table reads every case's rows
     per_rank = spawn(_all_cases, 4, names, timeout_s=900)
     merged = {}
     for r in per_rank:
@@ -83,13 +86,35 @@ def _id(case):
     return f"{name}-cp{cp}-{mode}" + ("-ckpt" if ckpt else "")
 
 
-@pytest.mark.parametrize("case", PARITY, ids=[_id(c) for c in PARITY])
+@pytest.mark.parametrize(
+    "case", [pytest.param(c, id=_id(c), marks=[] if c[0] in QUICK else [pytest.mark.slow]) for c in PARITY]
+)
 def test_parity(results, case):
     r = results[case]
     assert "error" not in r, r
     assert r["out_err"] <= OUT_TOL, r
     assert r["grad_err"] <= GRAD_TOL, r  # relative to max(the tensor's gradient, 1e-4 x the model's largest)
     assert not r["silent"], f"no gradient reaches {r['silent']}"
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(NAMES != sorted(CASES), reason="CP_LIBRARY_CASES leaves cases out: the table needs every case")
+def test_the_docs_table_is_generated_from_the_library_and_its_parity_rows(results):
+    """docs/models.md's supported-models table is cp_lightning.check_all.docs_table of the parity rows above (no
+    error figures in it, so any machine renders the same text)."""
+    from pathlib import Path
+
+    from cp_lightning.check_all import docs_region, docs_table
+
+    rows = {}
+    for key, row in results.items():
+        if not isinstance(key, str):  # a parity row (name, cp, ring, ckpt)
+            rows.setdefault(key[0], []).append(row)
+    assert sorted(rows) == sorted(CASES) and all(len(r) == 2 * len(LAYOUTS) for r in rows.values())
+    assert docs_region(Path("docs/models.md").read_text()) == docs_table(rows), (
+        "docs/models.md's generated table differs from the library: rewrite it with "
+        "`python -m cp_lightning.check --all --cp 4 --checkpointing --write-docs docs/models.md`"
+    )
 
 
 # ---------------------------------------------------------------- library lookups (no process group)
@@ -267,6 +292,55 @@ def test_checker_usage_errors_exit_2(capsys):
     assert "add a TinyCase" in capsys.readouterr().err
     assert main(["wan2.1", "--cp", "4", "--ring", "3"]) == 2
     assert main(["wan2.1", "--plan", "no_colon"]) == 2
+
+
+REFUSED_WHOLE = {
+    "OmniGenTransformer2DModel": "causal over the condition tokens",
+    "AnyFlowFARTransformer3DModel": "frame-causal FlexAttention BlockMask",
+    "WanAnimate2Transformer3DModel": "FlexAttention block mask",
+    "Kandinsky6SRTransformer3DModel": "NABLA sparse attention",
+    "SanaWMTransformer3DModel": "Gated DeltaNet",
+}
+
+
+def test_checker_prints_the_refusal_of_a_class_refused_whole(capsys):
+    """A refused class has no tiny case to build: the checker answers with the entry's reason and exit 0."""
+    from cp_lightning.check import main
+
+    for cls, why in REFUSED_WHOLE.items():
+        assert main([cls]) == 0, cls
+        out = capsys.readouterr().out
+        assert out.startswith(f"{cls}: refused") and why in out, out
+
+
+def test_checker_all_prints_one_row_per_class_and_fails_a_failing_class(monkeypatch, capsys):
+    """``--all``'s table and exit status, on rows made up here (the parity rows above run the real cases)."""
+    from cp_lightning import check_all
+    from cp_lightning.check import main
+
+    ok = {"out_err": 1e-7, "grad_err": 2e-6, "worst": "0.proj_out.weight", "silent": []}
+    rows = {name: [{"mode": "ulysses", **ok}, {"mode": "ring", **ok}] for name in CASES}
+    monkeypatch.setattr(check_all, "run_all", lambda *_: rows)
+    assert main(["--all", "--cp", "2"]) == 0
+    out = capsys.readouterr().out
+    table_rows = [line for line in out.splitlines() if line.startswith("| ") and not line.startswith("| diffusers")]
+    assert len(table_rows) == len(check_all.classes()), out
+    assert "| FluxTransformer2DModel | flux | exact | 1.00e-07 | 2.00e-06 | flux ring: 0.proj_out.weight |" in out
+    assert all(f"| {cls} |  | refused: " in out and why in out for cls, why in REFUSED_WHOLE.items()), out
+    assert f"{len(REFUSED_WHOLE)} refused" in out
+    rows["flux"][1] = {"mode": "ring", **ok, "grad_err": 0.5}
+    assert main(["--all", "--cp", "2"]) == 1
+    assert "| FluxTransformer2DModel | flux | failing: `flux` ring: gradient error 5.00e-01" in capsys.readouterr().out
+
+
+def test_checker_all_usage_errors_exit_2(capsys):
+    from cp_lightning.check import main
+
+    assert main(["--all", "wan2.1"]) == 2 and "takes no CLASS_OR_CONFIG" in capsys.readouterr().err
+    assert main(["--all", "--cp", "4", "--ring", "3"]) == 2
+    assert main([]) == 2 and "or pass --all" in capsys.readouterr().err
+    assert main(["wan2.1", "--write-docs", "docs/models.md"]) == 2
+    assert main(["--all", "--write-docs", "README.md"]) == 2 and "no generated region" in capsys.readouterr().err
 
 
 @pytest.mark.skipif("mochi" not in NAMES, reason="CP_LIBRARY_CASES leaves Mochi out")

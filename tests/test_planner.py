@@ -517,7 +517,7 @@ def test_batch_size_auto_trains_mixed_images_and_videos_with_per_bucket_batches(
         assert len({tuple(s[3]) for s in step}) == 1  # every rank of a step: the same bucket and batch size
     assert {s[3][0] for r in ranks for s in r} == {1, 4}  # both buckets trained
     # one process, the same tiny pipeline: each step's per-sample-mean gradient at the recorded weights
-    cli = recipe_cli(WanFineTune, WanData, args=["--config", str(tmp_path / "wan.yaml"), *args,
+    cli = recipe_cli(WanFineTune, WanData, args=["--config", str(tmp_path / "run_wan.yaml"), *args,
                      "--trainer.devices=1", "--trainer.strategy.init_args.cp=1"], run=False,
                      save_config_callback=None)  # fmt: skip
     module = cli.model
