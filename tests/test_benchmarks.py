@@ -148,7 +148,8 @@ def test_gpu_check_timeout_kills_the_step_and_its_detached_children(tmp_path):
         "time.sleep(120)\n"
     )
     pid_file = tmp_path / "pid"
-    how, code = run_isolated([sys.executable, "-c", script, str(pid_file)], None, timeout=3, log=tmp_path / "log")
+    # 8 s: time for the child to start its grandchild and write its pid on a loaded 2-core machine
+    how, code = run_isolated([sys.executable, "-c", script, str(pid_file)], None, timeout=8, log=tmp_path / "log")
     assert (how, code) == ("timeout", None)
     stat = Path(f"/proc/{pid_file.read_text()}/stat")
     assert not stat.exists() or stat.read_text().rsplit(")", 1)[1].split()[0] == "Z"  # gone, or dead and unreaped
