@@ -22,19 +22,27 @@ from cp_lightning.ring import ring_attention
 from cp_lightning.split_table import SplitState
 
 
-def _seq_to_heads(x: torch.Tensor, group: dist.ProcessGroup, lengths: list[int], heads: list[int]) -> torch.Tensor:
+def _seq_to_heads(
+    x: torch.Tensor, group: dist.ProcessGroup, lengths: list[int], heads: list[int], starts: list[int] | None = None
+) -> torch.Tensor:
     """Ulysses scatter: sequence-sharded, all heads -> full sequence, this rank's heads.
 
     ``lengths[p]``: rank p's number of tokens; ``heads[p]``: the number of heads rank p attends over
-    (``chunk_sizes(H, P)``). Rank p's tokens come back as block p of the full sequence.
+    (``chunk_sizes(H, P)``). Rank p's tokens come back as block p of the full sequence. ``starts[p]``: rank p's
+    first head when the ranks' heads are not consecutive runs (GQA's K/V heads, :func:`_kv_heads`: a head may
+    go to two ranks).
     """
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     b, s_local, h, d = x.shape
-    if len(set(heads)) == 1:
+    if starts is None and len(set(heads)) == 1:
         # B, S_local, H, D -> P, S_local, B, H/P, D: chunk p holds head group p, sent to rank p
         send = x.reshape(b, s_local, world, h // world, d).permute(2, 1, 0, 3, 4).reshape(-1)
-    else:  # head groups of different sizes: the same layout, built group by group
-        send = torch.cat([part.permute(1, 0, 2, 3).reshape(-1) for part in x.split(heads, dim=2)])
+    else:  # head groups of different sizes, or overlapping ones: the same layout, built group by group
+        starts = starts if starts is not None else [sum(heads[:p]) for p in range(world)]
+        # B, S_local, heads[p], D -> S_local, B, heads[p], D per rank p. A head sent to two ranks is two slices of
+        # x: autograd sums both replicas' gradients into it (the adjoint of the copy), so backward needs no rule
+        parts = [x[:, :, a : a + n].permute(1, 0, 2, 3).reshape(-1) for a, n in zip(starts, heads, strict=True)]
+        send = torch.cat(parts)
     row = b * d
     out = collectives.all_to_all(
         send, group, send=[s_local * n * row for n in heads], recv=[length * heads[rank] * row for length in lengths]
@@ -138,18 +146,57 @@ def _to_bias(mask: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | No
     return mask.to(dtype)
 
 
-def _check_heads(query: torch.Tensor, key: torch.Tensor, ulysses: int) -> None:
-    heads = query.shape[2]
-    if key.shape[2] != heads:
+def _check_heads(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, ulysses: int, gqa: bool) -> None:
+    """Head counts, before any collective: equal, or (``gqa``, SDPA's ``enable_gqa``) K/V heads dividing the
+    queries'; at least one query head per Ulysses rank."""
+    heads, kv_heads = query.shape[2], key.shape[2]
+    if value.shape[2] != kv_heads:
+        raise ValueError(f"keys have {kv_heads} heads but values {value.shape[2]}; they must be equal.")
+    if not gqa and kv_heads != heads:
         raise ValueError(
-            f"queries have {heads} heads but keys {key.shape[2]}; context-parallel attention needs equal head "
-            "counts (repeat the key/value heads for grouped-query attention)."
+            f"queries have {heads} heads but keys {kv_heads}; pass enable_gqa=True for grouped-query attention "
+            "(K/V heads dividing the query heads), else give them equal head counts."
+        )
+    if gqa and heads % kv_heads:
+        raise ValueError(
+            f"grouped-query attention needs the key/value heads to divide the query heads; got {heads} query "
+            f"heads and {kv_heads} key/value heads."
         )
     if heads < ulysses:
         raise ValueError(
             f"Ulysses gives each of its {ulysses} ranks at least one of the {heads} attention heads; use a Ulysses "
             f"degree (cp / ring) of at most {heads}, e.g. a larger ring degree."
         )
+
+
+def _kv_heads(head_split: list[int], group: int, rank: int) -> tuple[list[int], list[int], list[int]]:
+    """GQA under Ulysses: the K/V heads each rank receives, ``(counts, starts, local)``.
+
+    Query head i reads K/V head i // ``group`` (g = H_q / H_kv, as SDPA's ``enable_gqa``). Rank p attends over
+    query heads [a_p, a_p + n_p) (``head_split``) and receives exactly the K/V heads they read, a_p // g to
+    (a_p + n_p - 1) // g: a group that straddles two ranks goes to both (H_kv < u included), no other K/V head
+    travels. ``local[j]``: which of this rank's received K/V heads its j-th query head reads.
+    """
+    counts, starts = [], []
+    for p, n in enumerate(head_split):
+        first = sum(head_split[:p])
+        starts.append(first // group)
+        counts.append((first + n - 1) // group + 1 - first // group)
+    first = sum(head_split[:rank])
+    return counts, starts, [(first + j) // group - starts[rank] for j in range(head_split[rank])]
+
+
+def _grouped_sdpa(q, k, v, attn_mask, scale, kv_heads: list[int] | None) -> torch.Tensor:
+    """SDPA of (B, H_q, S, D) queries over (B, H_kv, S, D) K/V, query head j reading K/V head ``kv_heads[j]``."""
+    if kv_heads is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, scale=scale)
+    group = len(kv_heads) // k.shape[1]
+    if group * k.shape[1] == len(kv_heads) and kv_heads == [j // group for j in range(len(kv_heads))]:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, scale=scale, enable_gqa=True)
+    # this rank's query heads start or end inside a group: pick each one's K/V head (autograd sums the copies)
+    index = torch.tensor(kv_heads, device=k.device)
+    k, v = k.index_select(1, index), v.index_select(1, index)  # B, H_kv_rank, S, D -> B, H_rank, S, D
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, scale=scale)
 
 
 def _cp_lengths(query, key, group: dist.ProcessGroup, even: bool) -> tuple[list[int], list[int]]:
@@ -179,6 +226,7 @@ def cp_attention(
     lengths: tuple[list[int], list[int]] | None = None,
     mask: MaskSpec | None = None,
     layout: Layout | None = None,
+    enable_gqa: bool = False,
 ) -> torch.Tensor:
     """Exact attention over sequence-sharded ``(B, S_local, H, D)`` inputs across the CP group.
 
@@ -194,10 +242,14 @@ def cp_attention(
     then), run as rectangles with no S x S tensor (cp_lightning.masked_cp); ``layout``: the tokens each rank
     holds (default ``Layout.contiguous``, the split hooks' sharding; ``Layout.head_tail`` balances rings
     under causal masks); the shard lengths then come from the layout, with no exchange.
+    ``enable_gqa``: grouped-query attention as SDPA's, key/value ``(B, S_local, H_kv, D)`` with H_kv dividing H;
+    Ulysses sends each rank only the K/V heads its query heads read (:func:`_kv_heads`), the ring's blocks carry
+    H_kv heads (``ring.ring_attention``'s ``kv_heads``).
     Everything that can be refused is checked before communicating.
     """
     heads, ulysses = query.shape[2], groups.ulysses_size
-    _check_heads(query, key, ulysses)
+    _check_heads(query, key, value, ulysses, enable_gqa)
+    group = heads // key.shape[2]  # query heads per K/V head: 1 without GQA
     if mask is not None:
         check_spec(mask, query, key, attn_mask)
         # the sequence length, where it is known without communicating
@@ -215,24 +267,32 @@ def cp_attention(
     # holds a run of consecutive cp ranks, and ring position i attends over Ulysses group i's tokens
     first = dist.get_rank(groups.cp) // ulysses * ulysses
     q_lengths, k_lengths = q_cp[first : first + ulysses], k_cp[first : first + ulysses]
+    # which local K/V head each local query head reads (None: the same head)
+    kv_heads = None if group == 1 else [j // group for j in range(heads)]
     if ulysses > 1:
         head_split = collectives.chunk_sizes(heads, ulysses)
         query = _seq_to_heads(query, groups.ulysses, q_lengths, head_split)
-        key, value = (_seq_to_heads(t, groups.ulysses, k_lengths, head_split) for t in (key, value))
+        kv_split, kv_starts = head_split, None
+        if group > 1:
+            kv_split, kv_starts, kv_heads = _kv_heads(head_split, group, dist.get_rank(groups.ulysses))
+            if kv_starts == [sum(kv_split[:p]) for p in range(ulysses)]:
+                kv_starts = None  # every K/V head goes to one rank: the plain (reshape) path
+        key, value = (_seq_to_heads(t, groups.ulysses, k_lengths, kv_split, kv_starts) for t in (key, value))
         if attn_mask is not None:
             attn_mask = _gather_mask(attn_mask, groups.ulysses, k_lengths, head_split)
     # B, S, H/u, D -> B, H/u, S, D for the kernels and back
     q, k, v = (t.transpose(1, 2) for t in (query, key, value))
     if mask is not None:
-        out = masked_cp.attend(q, k, v, mask, layout, groups, kernel=kernel, scale=scale)
+        out = masked_cp.attend(q, k, v, mask, layout, groups, kernel=kernel, scale=scale, kv_heads=kv_heads)
     elif ring_kernel is None:
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, scale=scale)
+        out = _grouped_sdpa(q, k, v, attn_mask, scale, kv_heads)
     else:
         block_lengths = [sum(k_cp[i : i + ulysses]) for i in range(0, groups.cp_size, ulysses)]
         bias = _to_bias(attn_mask, q.dtype)
         out = ring_attention(
-            q, k, v, group=groups.ring, kernel=ring_kernel, bias=bias, scale=scale, block_lengths=block_lengths
-        )
+            q, k, v, group=groups.ring, kernel=ring_kernel, bias=bias, scale=scale, block_lengths=block_lengths,
+            kv_heads=kv_heads,
+        )  # fmt: skip
     out = out.transpose(1, 2)
     return _heads_to_seq(out, groups.ulysses, q_lengths, head_split) if ulysses > 1 else out
 
@@ -282,16 +342,18 @@ class ContextParallelAttention:
         segment mask): it runs as ``cp_attention(..., mask=spec, layout=self.layout)``."""
         spec = attn_mask if isinstance(attn_mask, MaskSpec) else None
         try:
-            if dropout_p or is_causal or enable_gqa:
+            if dropout_p or is_causal:
                 raise ValueError(
-                    "context-parallel attention supports neither attention dropout, causal masking nor GQA "
-                    f"(got dropout_p={dropout_p}, is_causal={is_causal}, enable_gqa={enable_gqa}); express a "
-                    "causal mask as a cp_lightning.masks.MaskSpec."
+                    "context-parallel attention supports neither attention dropout nor causal masking "
+                    f"(got dropout_p={dropout_p}, is_causal={is_causal}); express a causal mask as a "
+                    "cp_lightning.masks.MaskSpec."
                 )
             if spec is None:
                 attn_mask, rows = collapse_mask(attn_mask, query.shape[1], key.shape[1])
             else:
                 attn_mask, rows = None, None
+            # before the lengths exchange below: a refusal must come before any collective
+            _check_heads(query, key, value, self.groups.ulysses_size, enable_gqa)
         except ValueError as err:
             raise ValueError(f"{where}: {err}" if where else str(err)) from None
         lengths = None
@@ -317,6 +379,7 @@ class ContextParallelAttention:
                 lengths=lengths,
                 mask=spec,
                 layout=self.layout,
+                enable_gqa=enable_gqa,
             )
         except ValueError as err:  # a spec's refusals name the module (the others predate this)
             if spec is None or not where:

@@ -27,7 +27,7 @@ import math
 import re
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -325,6 +325,41 @@ KERNELS: dict[str, Kernel] = {
         "flash_attn", _flash_attn_forward, _flash_attn_backward, ("cuda",), _HALF, False, 8, 256, _flash_attn_available
     ),
 }
+
+
+def grouped(kernel: Kernel, kv_heads: list[int] | None) -> Kernel:
+    """``kernel`` for grouped-query attention: query head i attends over K/V head ``kv_heads[i]`` (None: as is).
+
+    The kernels take equal head counts, so K/V (B, H_kv, S, D) are expanded to the queries' heads for the call
+    (a copy of the block's size with H_q heads, as a kernel without GQA needs anyway), and the expanded dK/dV
+    are folded back: each K/V head's gradient is the sum of those of the query heads that read it (index_add_,
+    the adjoint of index_select), in the accumulation dtype. So what leaves the kernel, and the ring's
+    accumulators that travel, have H_kv heads.
+    """
+    if kv_heads is None:
+        return kernel
+
+    def expand(x, index):
+        # B, H_kv, S, D view of B, S, H_kv, D -> B, S, H_q, D -> a B, H_q, S, D view (the ring's layout)
+        return x.transpose(1, 2).index_select(2, index).transpose(1, 2)
+
+    def fold(grad, like, index):
+        b, h, s, d = like.shape
+        acc = torch.promote_types(grad.dtype, torch.float32)
+        # B, H_q, S, D -> B, S, H_q, D, summed into B, S, H_kv, D -> a B, H_kv, S, D view
+        folded = grad.new_zeros((b, s, h, d), dtype=acc).index_add_(2, index, grad.transpose(1, 2).to(acc))
+        return folded.transpose(1, 2)
+
+    def forward(q, k, v, bias, scale):
+        index = torch.tensor(kv_heads, device=k.device)
+        return kernel.forward(q, expand(k, index), expand(v, index), bias, scale)
+
+    def backward(dout, q, k, v, out, lse, bias, scale):
+        index = torch.tensor(kv_heads, device=k.device)
+        dq, dk, dv = kernel.backward(dout, q, expand(k, index), expand(v, index), out, lse, bias, scale)
+        return dq, fold(dk, k, index), fold(dv, v, index)
+
+    return replace(kernel, forward=forward, backward=backward)
 
 
 def get_kernel(name: str) -> Kernel:

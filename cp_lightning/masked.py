@@ -17,7 +17,7 @@ from collections.abc import Sequence
 
 import torch
 
-from cp_lightning.kernels import Kernel, as_bshd, pick_kernel
+from cp_lightning.kernels import Kernel, as_bshd, grouped, pick_kernel
 from cp_lightning.mask_layout import Piece, pieces
 from cp_lightning.masks import MaskSpec
 
@@ -110,11 +110,16 @@ def spec_attention(q, k, v, found: Sequence[Piece], *, kernel: Kernel, scale=Non
 
 
 def local_attention(query, key, value, spec: MaskSpec, *, scale=None, kernel: str | None = None) -> torch.Tensor:
-    """One process, (B, S, H, D) in and out: the spec over the whole sequence (a routed module running locally)."""
+    """One process, (B, S, H, D) in and out: the spec over the whole sequence (a routed module running locally).
+    Fewer key/value heads than query heads (dividing them) is grouped-query attention, as SDPA's ``enable_gqa``."""
     check_spec(spec, query, key, None)
+    heads, kv = query.shape[2], key.shape[2]
+    if heads % kv:
+        raise ValueError(f"grouped-query attention needs the {kv} key/value heads to divide the {heads} query heads.")
     runs = ((0, spec.length),)
     found = pieces(spec, runs, runs)
     picked = pick_kernel(query.device, query.dtype, has_tiles([found]), kernel, head_dim=query.shape[-1])
+    picked = grouped(picked, None if kv == heads else [j // (heads // kv) for j in range(heads)])
     # B, S, H, D -> B, H, S, D for the kernels and back
     q, k, v = (t.transpose(1, 2) for t in (query, key, value))
     return spec_attention(q, k, v, found, kernel=picked, scale=scale).transpose(1, 2)

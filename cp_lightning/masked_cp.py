@@ -15,7 +15,7 @@ import warnings
 import torch
 import torch.distributed as dist
 
-from cp_lightning.kernels import pick_kernel
+from cp_lightning.kernels import grouped, pick_kernel
 from cp_lightning.mask_layout import Layout, pieces, ring_idling, ring_positions
 from cp_lightning.masked import encode, has_tiles, spec_attention
 from cp_lightning.masks import MaskSpec
@@ -47,11 +47,14 @@ def resolve_layout(spec: MaskSpec, layout: Layout | None, query, cp_size: int, c
     return layout
 
 
-def attend(q, k, v, spec: MaskSpec, layout: Layout, groups, *, kernel: str | None, scale) -> torch.Tensor:
+def attend(
+    q, k, v, spec: MaskSpec, layout: Layout, groups, *, kernel: str | None, scale, kv_heads: list[int] | None = None
+) -> torch.Tensor:
     """(B, H, S, D) q, k, v after Ulysses' all-to-all (this Ulysses group's tokens, in layout order) -> output.
 
     Without a ring: the spec's pieces over the group's tokens. With one: ring attention whose step s runs the
-    pieces between this ring position's tokens and those of position r - s.
+    pieces between this ring position's tokens and those of position r - s. ``kv_heads``: GQA, query head j
+    reading K/V head ``kv_heads[j]`` (``kernels.grouped``).
     """
     ulysses, ring = groups.ulysses_size, groups.ring_size
     held = ring_positions(layout, ring)
@@ -59,12 +62,13 @@ def attend(q, k, v, spec: MaskSpec, layout: Layout, groups, *, kernel: str | Non
     steps = [pieces(spec, held[position], held[(position - s) % ring]) for s in range(ring)]
     picked = pick_kernel(q.device, q.dtype, has_tiles(steps), kernel, head_dim=q.shape[-1])
     if ring == 1:
-        return spec_attention(q, k, v, steps[0], kernel=picked, scale=scale)
+        return spec_attention(q, k, v, steps[0], kernel=grouped(picked, kv_heads), scale=scale)
     warn_if_idle(spec, layout, ring)
     block_lengths = [sum(hi - lo for lo, hi in runs) for runs in held]
     return ring_attention(
-        q, k, v, group=groups.ring, kernel=picked, scale=scale, block_lengths=block_lengths, plan=encode(steps)
-    )
+        q, k, v, group=groups.ring, kernel=picked, scale=scale, block_lengths=block_lengths, plan=encode(steps),
+        kv_heads=kv_heads,
+    )  # fmt: skip
 
 
 # ring areas are pure arithmetic over the spec's slices: once per spec, layout and ring, not per layer

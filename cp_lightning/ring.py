@@ -27,7 +27,7 @@ from torch.distributed.distributed_c10d import _resolve_process_group
 
 from cp_lightning import masked
 from cp_lightning.collectives import record_sent
-from cp_lightning.kernels import Kernel, as_bshd, get_kernel
+from cp_lightning.kernels import Kernel, as_bshd, get_kernel, grouped
 
 # message tags: K, V and the mask travel together; the dK/dV accumulators follow them
 K_TAG, V_TAG, BIAS_TAG, DK_TAG, DV_TAG = range(5)
@@ -324,13 +324,15 @@ def ring_attention_forward(
     scale: float | None,
     block_lengths: list[int] | None,
     plan: list[int] | None = None,
+    kv_heads: list[int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Ring attention forward: (out (B, H, S_local, D) laid out B, S, H, D; lse (B, H, S_local) fp32)."""
-    return _ring_forward(q, k, v, bias, ring_comm(group_name), get_kernel(kernel), scale, block_lengths, plan)
+    kernel_ = grouped(get_kernel(kernel), kv_heads)
+    return _ring_forward(q, k, v, bias, ring_comm(group_name), kernel_, scale, block_lengths, plan)
 
 
 @ring_attention_forward.register_fake
-def _(q, k, v, bias, group_name, kernel, scale, block_lengths, plan=None):
+def _(q, k, v, bias, group_name, kernel, scale, block_lengths, plan=None, kv_heads=None):
     b, h, s, _ = q.shape
     return _bshd_layout(q, q.dtype), q.new_empty((b, h, s), dtype=accumulation_dtype(q.dtype))
 
@@ -349,19 +351,20 @@ def ring_attention_backward(
     scale: float | None,
     block_lengths: list[int] | None,
     plan: list[int] | None = None,
+    kv_heads: list[int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Ring attention backward: (dq, dk, dv), each laid out B, S, H, D like the forward's output."""
-    comm = ring_comm(group_name)
-    return _ring_backward(dout, q, k, v, out, lse, bias, comm, get_kernel(kernel), scale, block_lengths, plan)
+    comm, kernel_ = ring_comm(group_name), grouped(get_kernel(kernel), kv_heads)
+    return _ring_backward(dout, q, k, v, out, lse, bias, comm, kernel_, scale, block_lengths, plan)
 
 
 @ring_attention_backward.register_fake
-def _(dout, q, k, v, out, lse, bias, group_name, kernel, scale, block_lengths, plan=None):
+def _(dout, q, k, v, out, lse, bias, group_name, kernel, scale, block_lengths, plan=None, kv_heads=None):
     return _bshd_layout(q, q.dtype), _bshd_layout(k, k.dtype), _bshd_layout(v, v.dtype)
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    q, k, v, bias, ctx.group_name, ctx.kernel, ctx.scale, ctx.block_lengths, ctx.plan = inputs
+    q, k, v, bias, ctx.group_name, ctx.kernel, ctx.scale, ctx.block_lengths, ctx.plan, ctx.kv_heads = inputs
     out, lse = output
     ctx.mark_non_differentiable(lse)
     ctx.save_for_backward(q, k, v, out, lse, bias)
@@ -371,9 +374,10 @@ def _backward(ctx, dout, _dlse):
     # the recomputation per block with the final output and LSE is exact (see the module docstring)
     q, k, v, out, lse, bias = ctx.saved_tensors
     dq, dk, dv = ring_attention_backward(
-        dout, q, k, v, out, lse, bias, ctx.group_name, ctx.kernel, ctx.scale, ctx.block_lengths, ctx.plan
-    )
-    return dq, dk, dv, None, None, None, None, None, None
+        dout, q, k, v, out, lse, bias, ctx.group_name, ctx.kernel, ctx.scale, ctx.block_lengths, ctx.plan,
+        ctx.kv_heads,
+    )  # fmt: skip
+    return dq, dk, dv, None, None, None, None, None, None, None
 
 
 ring_attention_forward.register_autograd(_backward, setup_context=_setup_context)
@@ -390,6 +394,7 @@ def ring_attention(
     scale=None,
     block_lengths: list[int] | None = None,
     plan: list[int] | None = None,
+    kv_heads: list[int] | None = None,
 ) -> torch.Tensor:
     """Exact attention of local queries over the K/V blocks of every rank in ``group`` (all (B, H, S, D)).
 
@@ -397,9 +402,12 @@ def ring_attention(
     :func:`register_comm` (a ``ring_threads.ThreadRing``).
     ``block_lengths``: each ring rank's key count when they differ (None: all equal to this rank's).
     ``plan``: a mask spec's rectangles per step (``masked.encode``; cp_lightning.masked_cp builds it).
+    ``kv_heads``: grouped-query attention, query head i over K/V head ``kv_heads[i]`` (``kernels.grouped``): the
+    blocks travel with their H_kv heads and are expanded only inside each kernel call, and the dK/dV
+    accumulators, folded back to H_kv heads there, travel at 1/g of the bytes of repeated heads.
     The output is laid out as contiguous (B, S, H, D).
     """
     if block_lengths is not None and len(set(block_lengths)) == 1:
         block_lengths = None
-    out, _ = ring_attention_forward(q, k, v, bias, group.group_name, kernel.name, scale, block_lengths, plan)
+    out, _ = ring_attention_forward(q, k, v, bias, group.group_name, kernel.name, scale, block_lengths, plan, kv_heads)
     return out

@@ -308,12 +308,13 @@ class _RoutedFunctional:
         return out.transpose(1, 2)
 
 
-def _attend(query, key, value, attn_mask=None):
-    """A stand-in's attention: (B, S_local, H, D) tensors over the CP group of the running routed module."""
+def _attend(query, key, value, attn_mask=None, scale=None):
+    """A stand-in's attention: (B, S_local, H, D) tensors over the CP group of the running routed module; K/V with
+    fewer heads than the queries are grouped-query attention (SDPA's ``enable_gqa``)."""
     route, _ = _active()
     return route.config(
-        query, key, value, attn_mask=attn_mask, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False,
-        where=route.name,
+        query, key, value, attn_mask=attn_mask, dropout_p=0.0, is_causal=False, scale=scale,
+        enable_gqa=key.shape[2] != query.shape[2], where=route.name,
     )  # fmt: skip
 
 

@@ -6,8 +6,10 @@ on every rank, then packed per sample into the joint sequence [caption_i, image,
 at ``layers.0``, then it flows sharded), its RoPE table (B, S, D/2, complex) and, when the samples' caption
 lengths differ, its key-padding mask (B, S) (both split at each layer, which each get the root's full
 tensor). ``norm_out`` is per token, so its output is gathered before ``forward`` cuts each sample's image
-tokens out of the joint sequence. The stock ``Lumina2AttnProcessor2_0`` calls SDPA directly (after
-repeating its grouped key/value heads): ``parallelize`` routes it; the refiners run locally.
+tokens out of the joint sequence. The stock ``Lumina2AttnProcessor2_0`` calls SDPA directly after repeating its
+grouped key/value heads, which under CP would send g times the K/V bytes: inside the split region
+:class:`Lumina2Attention` stands in for it (routing.py's ``STAND_INS``) and hands CP attention the H_kv heads as
+they are (grouped-query attention); outside it (the refiners, which run locally) the stock processor runs.
 """
 
 from __future__ import annotations
@@ -15,9 +17,55 @@ from __future__ import annotations
 import torch
 from diffusers.models._modeling_parallel import ContextParallelInput as In
 from diffusers.models._modeling_parallel import ContextParallelOutput as Out
+from diffusers.models.embeddings import apply_rotary_emb
 
+from cp_lightning import routing
 from cp_lightning.models import PlanEntry, TinyCase, register
 from cp_lightning.tiny import _factor
+
+
+class Lumina2Attention:
+    """``Lumina2AttnProcessor2_0``'s stand-in: the same projections, norms and RoPE, and its K/V heads unrepeated."""
+
+    stand_in = True
+
+    def __init__(self, original, attend, runs_cp) -> None:
+        self.original, self.attend, self.runs_cp = original, attend, runs_cp
+
+    def __call__(
+        self, attn, hidden_states, encoder_hidden_states, attention_mask=None, image_rotary_emb=None,
+        base_sequence_length=None,
+    ):  # fmt: skip
+        if not self.runs_cp():
+            return self.original(
+                attn, hidden_states, encoder_hidden_states, attention_mask, image_rotary_emb, base_sequence_length
+            )
+        if base_sequence_length is not None:
+            raise ValueError(
+                "Lumina2's proportional attention (base_sequence_length, an inference option) scales the scores by "
+                "the sequence length, which under context parallelism would be the local one: train without it."
+            )
+        q = attn.to_q(hidden_states).unflatten(-1, (attn.heads, -1))  # B, S, H*D -> B, S, H, D
+        head_dim, dtype = q.shape[-1], q.dtype
+        # B, S, H_kv*D -> B, S, H_kv, D: the grouped heads go to CP attention as they are (enable_gqa)
+        k, v = (proj(encoder_hidden_states).unflatten(-1, (-1, head_dim)) for proj in (attn.to_k, attn.to_v))
+        if attn.norm_q is not None:
+            q = attn.norm_q(q)
+        if attn.norm_k is not None:
+            k = attn.norm_k(k)
+        if image_rotary_emb is not None:
+            q = apply_rotary_emb(q, image_rotary_emb, use_real=False)
+            k = apply_rotary_emb(k, image_rotary_emb, use_real=False)
+        q, k = q.to(dtype), k.to(dtype)
+        mask = None if attention_mask is None else attention_mask.bool()[:, None, None, :]  # B, S -> B, 1, 1, S
+        out = self.attend(q, k, v, mask, scale=attn.scale).flatten(2).type_as(q)  # B, S, H, D -> B, S, H*D
+        return attn.to_out[1](attn.to_out[0](out))
+
+    def __repr__(self) -> str:
+        return f"Lumina2Attention({type(self.original).__name__})"
+
+
+routing.STAND_INS["Lumina2AttnProcessor2_0"] = Lumina2Attention
 
 LUMINA2 = PlanEntry(
     "Lumina2Transformer2DModel",
@@ -61,7 +109,7 @@ register(
             num_layers=2,
             num_refiner_layers=1,
             num_attention_heads=4,
-            num_kv_heads=2,  # grouped-query attention, repeated by the processor
+            num_kv_heads=2,  # grouped-query attention: repeated by the stock processor, not by the stand-in
             multiple_of=16,
             axes_dim_rope=(2, 2, 4),
             axes_lens=(64, 32, 32),
