@@ -113,7 +113,7 @@ def test_the_docs_table_is_generated_from_the_library_and_its_parity_rows(result
     assert sorted(rows) == sorted(CASES) and all(len(r) == 2 * len(LAYOUTS) for r in rows.values())
     assert docs_region(Path("docs/models.md").read_text()) == docs_table(rows), (
         "docs/models.md's generated table differs from the library: rewrite it with "
-        "`python -m cp_lightning.check --all --cp 4 --checkpointing --write-docs docs/models.md`"
+        "`python -m cp_lightning.check --all --cp 4 --tokens 21 --checkpointing --write-docs docs/models.md`"
     )
 
 
