@@ -4,7 +4,9 @@ Public entry points: :func:`build_mesh` (the (dp, cp) device mesh) and :func:`pa
 (split/gather hooks plus context-parallel attention on a diffusers model); :func:`to_fp8_base` stores a
 LoRA run's frozen base in float8 (:mod:`cp_lightning.fp8`); :class:`MaskSpec` and its constructors
 (:mod:`cp_lightning.masks`) describe block-causal, segment and reference-only masks that context-parallel
-attention runs exactly, with a :class:`Layout` of the tokens per rank (:mod:`cp_lightning.mask_layout`).
+attention runs exactly, with a :class:`Layout` of the tokens per rank (:mod:`cp_lightning.mask_layout`);
+:func:`rollout_attention` with one :class:`KVCache` per layer runs a chunked KV-cache roll-out under Ulysses
+(:mod:`cp_lightning.rollout`).
 """
 
 from cp_lightning.checks import CPMismatchError
@@ -26,6 +28,7 @@ from cp_lightning.masks import (
 from cp_lightning.mesh import build_mesh
 from cp_lightning.parallelize import loss_shard, parallelize, remove
 from cp_lightning.plan import Unsplit
+from cp_lightning.rollout import KVCache, rollout_attention
 from cp_lightning.strategy import ContextParallelStrategy
 
 __all__ = [
@@ -45,6 +48,8 @@ __all__ = [
     "FabricContextParallelStrategy",
     "Unsplit",
     "build_mesh",
+    "KVCache",
+    "rollout_attention",
     "compile_blocks",
     "fp8_weight_error",
     "loss_shard",

@@ -24,10 +24,18 @@ log = logging.getLogger("lightning.pytorch")  # shown at INFO like Lightning's o
 class ContextParallelAdapter:
     """What the Lightning and the Fabric strategies share."""
 
-    def _init_cp(self, cp, ring, plan, loss_parallel, kernel, allow_cross_node, check_steps) -> None:
+    def _init_cp(self, cp, ring, plan, loss_parallel, kernel, allow_cross_node, check_steps, layout="contiguous"):
         self._auto_cp = cp == "auto"  # the layout planner picks cp and ring in setup_environment
         cp = 1 if self._auto_cp else cp
         data_parallel.check_cp_options(cp, ring, plan, kernel, check_steps)
+        if layout not in ("contiguous", "head_tail"):
+            raise ValueError(f"layout must be 'contiguous' or 'head_tail', got {layout!r}.")
+        if layout == "head_tail" and loss_parallel:
+            raise ValueError(
+                "layout='head_tail' cannot be combined with loss_parallel=True (loss_shard cuts targets "
+                "contiguously); drop one of them."
+            )
+        self.layout = layout
         self.cp, self.ring = cp, ring
         self.plan, self.loss_parallel, self.kernel = plan, bool(loss_parallel), kernel
         self.allow_cross_node, self.check_steps = allow_cross_node, check_steps
@@ -69,6 +77,11 @@ class ContextParallelAdapter:
             return
         if self._auto_cp:
             raise ValueError("dynamic_cp needs a number for cp (its largest degree), not cp='auto'.")
+        if self.layout != "contiguous":
+            raise ValueError(
+                f"dynamic_cp cannot be combined with layout={self.layout!r}: its layouts are built for one CP degree. "
+                "Use layout='contiguous' with dynamic_cp."
+            )
         self.min_tokens_per_rank = dynamic.check_dynamic_options(
             self.cp,
             min_tokens_per_rank=min_tokens_per_rank,
@@ -219,6 +232,7 @@ class ContextParallelAdapter:
             kernel=self.kernel,
             loss_parallel=self.loss_parallel,
             check_steps=self.check_steps,
+            layout=self.layout,
         )
         if self.activation_offload:  # after parallelize, before compile and DDP/FSDP wrapping
             offload.apply_activation_offload(root, self.plan)

@@ -184,7 +184,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--cp", type=int, default=2, help="CP degree = number of gloo processes (default 2)")
     parser.add_argument("--ring", type=int, default=None, help="ring degree of the USP row (default: smallest)")
     parser.add_argument("--plan", default=None, help="module:attr of a plan dict to check instead of the default")
-    parser.add_argument("--tokens", type=int, default=None, help="video/image tokens (default: 4*cp+1, uneven)")
+    parser.add_argument(
+        "--tokens", type=int, default=None, help="video/image tokens (default: the case's own, else 4*cp+1, uneven)"
+    )
     parser.add_argument("--checkpointing", action="store_true", help="also run each mode with checkpointing")
     check_all.add_arguments(parser)
     args = parser.parse_args(argv)
@@ -206,7 +208,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ValueError, ImportError, AttributeError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    tokens = args.tokens or 4 * args.cp + 1
+    tokens = args.tokens or case.tokens or 4 * args.cp + 1
     if custom:  # workers rebuild the case: the config as read here, the references as given
         spec = {"_custom": args.model, "config": case.config, "inputs": args.inputs}
     else:

@@ -175,7 +175,8 @@ def _all_worker(rank, world, names, tokens, mode_list, ckpt):
             print(f"[{i + 1}/{len(names)}] {name}", file=sys.stderr, flush=True)
         rows = out[name] = []
         try:  # a case that cannot be built fails alike on every rank, before any collective
-            refs = {use: Reference(CASES[name], tokens, ckpt=use) for use in ((False, True) if ckpt else (False,))}
+            count = CASES[name].tokens or tokens  # a case whose model takes only some counts brings its own
+            refs = {use: Reference(CASES[name], count, ckpt=use) for use in ((False, True) if ckpt else (False,))}
         except Exception as err:  # noqa: BLE001 - one failing row of the table
             rows.append({"mode": "build", "error": f"crashed building the case ({type(err).__name__}): {err}"})
             continue

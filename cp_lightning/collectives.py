@@ -66,8 +66,12 @@ def chunk_sizes(size: int, world: int) -> list[int]:
     return [size // world + (rank < size % world) for rank in range(world)]
 
 
-def shard(x: torch.Tensor, dim: int, group: dist.ProcessGroup) -> torch.Tensor:
+def shard(x: torch.Tensor, dim: int, group: dist.ProcessGroup, layout=None) -> torch.Tensor:
     """This rank's slice of ``x`` along ``dim`` (no communication); sizes as in :func:`chunk_sizes`.
+
+    ``layout``: a :class:`cp_lightning.mask_layout.Layout` whose length ``x`` has along ``dim`` (the
+    ``head_tail`` layout of a model's sequence, ``parallelize.set_layout``): this rank's runs of it,
+    concatenated, instead (backward alike: the gradient lands in those runs, zeros elsewhere).
 
     A dim that ``world`` does not divide is split unevenly (no padding): the extra elements go to the
     first ranks, and the attention and gathers downstream exchange the actual lengths. Backward is
@@ -77,6 +81,8 @@ def shard(x: torch.Tensor, dim: int, group: dist.ProcessGroup) -> torch.Tensor:
     """
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     size = x.shape[dim]
+    if layout is not None and layout.length == size:
+        return layout.shard(x, dim, rank)
     if size < world:
         raise ValueError(
             f"cannot split dim {dim} of size {size} over {world} CP ranks: every rank needs at least one element. "
@@ -134,6 +140,7 @@ def gather(
     even: bool = True,
     record=None,
     lengths: list[int] | None = None,
+    layout=None,
 ) -> torch.Tensor:
     """All-gather the shards along ``dim``; the backward follows ``record``'s rule (see ``_GatherSeq``).
 
@@ -142,12 +149,19 @@ def gather(
     computes the same loss from the gathered tensor, with no parameters after it). Shards of different
     lengths: pass every rank's ``lengths`` when known (the split hooks know them), or ``even=False`` to
     exchange them first (one small all-gather and a host synchronisation).
+    ``layout``: shards cut by this :class:`cp_lightning.mask_layout.Layout` (``shard``'s ``layout``) when the
+    gathered length is its length: the ranks' parts, gathered in rank order, are put back in token order.
+    That reordering is a permutation autograd differentiates as one (narrow and cat), so the gradient reaches
+    ``_GatherSeq`` in rank order, where its slice or reduce-scatter hands each rank its own runs' gradient.
     """
     if lengths is None and not even:
         lengths = [row[0] for row in exchange_lengths([x.shape[dim]], group, x.device)]
     if lengths is not None and len(set(lengths)) == 1:
         lengths = None
-    return _GatherSeq.apply(x, dim, group, lengths, record)
+    out = _GatherSeq.apply(x, dim, group, lengths, record)
+    if layout is not None and layout.length == out.shape[dim]:
+        out = layout.unshard(out.split(layout.lengths, dim), dim)  # rank order -> token order
+    return out
 
 
 def reduce_scatter_seq(grad: torch.Tensor, dim: int, group: dist.ProcessGroup, lengths: list[int]) -> torch.Tensor:

@@ -124,6 +124,7 @@ def parallelize_targets(
     kernel: str | None,
     loss_parallel: bool,
     check_steps: int,
+    layout: str = "contiguous",
 ) -> None:
     """:func:`parallelize` every target of :func:`plan_targets`, after validating all of them (so a bad
     plan is a ValueError on every rank before the first collective). Already parallelized ones are skipped."""
@@ -140,6 +141,7 @@ def parallelize_targets(
                 kernel=kernel,
                 loss_parallel=loss_parallel,
                 check_steps=check_steps,
+                layout=layout,
             )
 
 

@@ -39,6 +39,7 @@ class FabricContextParallelStrategy(ContextParallelAdapter, FabricDDPStrategy):
         *,
         plan: Mapping | None = None,
         loss_parallel: bool = False,
+        layout: str = "contiguous",
         kernel: str | None = None,
         allow_cross_node: bool = False,
         check_steps: int = 2,
@@ -66,7 +67,7 @@ class FabricContextParallelStrategy(ContextParallelAdapter, FabricDDPStrategy):
                 "cp_lightning.planner.search) and pass its cp and ring; ContextParallelStrategy (Lightning) "
                 "takes cp='auto'."
             )
-        self._init_cp(cp, ring, plan, loss_parallel, kernel, allow_cross_node, check_steps)
+        self._init_cp(cp, ring, plan, loss_parallel, kernel, allow_cross_node, check_steps, layout)
         self._init_fsdp(fsdp, reshard_after_forward, cpu_offload, hsdp, fsdp_blocks, fsdp_units)
         self._init_compile(compile, activation_offload)
         self._init_dynamic(dynamic_cp, min_tokens_per_rank, dynamic_weighting)

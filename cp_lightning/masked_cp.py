@@ -26,9 +26,10 @@ IDLING_WARNING = 1.25
 
 
 def resolve_layout(spec: MaskSpec, layout: Layout | None, query, cp_size: int, cp_rank: int, total) -> Layout:
-    """The layout the inputs are sharded by (default: contiguous), checked against the spec and the sequence
-    before any communication. ``total``: the sequence length when known without communicating (even shards or
-    given lengths), else None."""
+    """The layout the inputs are sharded by (default: contiguous, as the split hooks cut; a model parallelized with
+    ``layout="head_tail"`` passes its forward's layout, ``parallelize.set_layout``), checked against the spec and
+    the sequence before any communication. ``total``: the sequence length when known without communicating (even
+    shards or given lengths), else None."""
     layout = Layout.contiguous(spec.length, cp_size) if layout is None else layout
     if layout.ranks != cp_size:
         raise ValueError(f"the layout has {layout.ranks} ranks but the CP group {cp_size}.")
@@ -83,7 +84,7 @@ def warn_if_idle(spec: MaskSpec, layout: Layout, ring: int) -> None:
         warnings.warn(
             f"ring attention under this mask ({spec.length} tokens, {layout.name} layout, ring {ring}) idles: its "
             f"steps take {idling:.2f}x the balanced time, since each step waits for the busiest rank. Ulysses "
-            "(ring=1) runs any mask balanced; prefer it, or USP with a smaller ring degree (and Layout.head_tail over "
-            "a contiguous layout).",
+            "(ring=1) runs any mask balanced; prefer it, or USP with a smaller ring degree (and the head_tail layout "
+            "over a contiguous one: Layout.head_tail, or parallelize(..., layout='head_tail') for a whole model).",
             stacklevel=4,
         )

@@ -18,8 +18,9 @@ from torch.utils.hooks import RemovableHandle
 from cp_lightning import attention, collectives, routing
 from cp_lightning.checks import ConsistencyCheck
 from cp_lightning.kernels import get_kernel
+from cp_lightning.mask_layout import Layout
 from cp_lightning.mesh import CP, CPGroups, _require_process_group, build_mesh, cp_groups, validate_degrees
-from cp_lightning.plan import apply_plan, check_loss_parallel, remove_plan, resolve_plan, unsplit_paths
+from cp_lightning.plan import JointInput, apply_plan, check_loss_parallel, remove_plan, resolve_plan, unsplit_paths
 from cp_lightning.split_table import SplitState
 
 _STATE = "_cp_lightning_state"
@@ -37,13 +38,19 @@ class ParallelState:
     loss_parallel: bool
     split: SplitState  # every rank's shard lengths in the current forward pass
     routes: list = field(default_factory=list)  # routing.Route per routed attention module
+    layout: str = "contiguous"  # how the split hooks cut the sequence (see parallelize's ``layout``)
+
+
+def _library_entry(module: nn.Module, plan):
+    """The plan library's entry ``parallelize`` uses (None when the caller passes a plan)."""
+    from cp_lightning.models import lookup
+
+    return lookup(module) if plan is None else None
 
 
 def _check_entry_loss_parallel(module: nn.Module, plan) -> None:
     """A library plan whose outputs cannot stay sharded for a reason no engine rule sees (its entry says why)."""
-    from cp_lightning.models import lookup
-
-    entry = lookup(module) if plan is None else None
+    entry = _library_entry(module, plan)
     if entry is not None and entry.loss_parallel:
         raise ValueError(
             f"loss_parallel cannot be used with {type(module).__name__}: {entry.loss_parallel}. Train it without "
@@ -61,6 +68,7 @@ def parallelize(
     kernel: str | None = None,
     loss_parallel: bool = False,
     check_steps: int = 0,
+    layout: str = "contiguous",
 ) -> nn.Module:
     """Make ``module`` context parallel, in place, and return it.
 
@@ -81,6 +89,11 @@ def parallelize(
             each rank's shard (see :func:`loss_shard` for the targets).
         check_steps: for this many training forward passes, check at every split point that the CP
             peers were given identical inputs (:class:`cp_lightning.checks.CPMismatchError` if not).
+        layout: how the split hooks cut the sequence. ``"contiguous"`` (default): one run per rank.
+            ``"head_tail"``: rank r holds runs r and 2P-1-r of 2P (whole frames where they divide evenly,
+            :meth:`~cp_lightning.mask_layout.Layout.head_tail`), so a ring under a block-causal mask is
+            balanced; gathers put the tokens back in order. For plan-library entries that support it
+            (SkyReels-V2); refused with loss_parallel, JointInput plans and dynamic CP (docs/masks.md).
     """
     if not isinstance(module, nn.Module):
         raise TypeError(f"parallelize() takes a torch.nn.Module, got {type(module).__name__}.")
@@ -105,6 +118,7 @@ def parallelize(
         get_kernel(kernel)
 
     entries = resolve_plan(module, plan)
+    _check_layout(module, plan, entries, layout, loss_parallel)
     if loss_parallel:
         check_loss_parallel(module, entries)
         _check_entry_loss_parallel(module, plan)
@@ -120,8 +134,56 @@ def parallelize(
         handles.append(module.register_forward_pre_hook(lambda mod, _args: check.on_forward(mod), prepend=True))
     routes = routing.route_processors(found, attention.ContextParallelAttention(groups, kernel, state), state)
     handles.extend(handle for route in routes for handle in route.handles)
-    setattr(module, _STATE, ParallelState(mesh, groups, handles, found, check, loss_parallel, state, routes))
+    entry = _library_entry(module, plan)
+    if entry is not None and entry.install is not None:  # the entry's own hooks (a mask spec), removed with ours
+        handles.extend(entry.install(module))
+    setattr(module, _STATE, ParallelState(mesh, groups, handles, found, check, loss_parallel, state, routes, layout))
     return module
+
+
+def _check_layout(module: nn.Module, plan, entries, layout: str, loss_parallel: bool) -> None:
+    """Refuse, before any collective, a ``layout`` the split hooks cannot follow exactly for this model."""
+    if layout not in ("contiguous", "head_tail"):
+        raise ValueError(f"layout must be 'contiguous' or 'head_tail', got {layout!r}.")
+    if layout == "contiguous":
+        return
+    joint = [entry.path for entry in entries if isinstance(entry.spec, Mapping)
+             for value in entry.spec.values() if isinstance(value, JointInput)]  # fmt: skip
+    if joint:
+        raise ValueError(
+            f"layout='head_tail' cannot split this plan exactly: it has JointInput tensors (at {joint[0]!r}) that "
+            "concatenate sequences split apart, whose ranks' pieces a single head_tail layout does not describe. "
+            "Use layout='contiguous'."
+        )
+    entry = _library_entry(module, plan)
+    if entry is None or not entry.head_tail:
+        how = "a plan passed by hand" if plan is not None else f"{type(module).__name__}'s plan-library entry"
+        raise ValueError(
+            f"layout='head_tail' is not supported with {how}: the sequence and its frame size must be known before "
+            "each forward's first split, which only entries whose hooks report them provide (SkyReels-V2, "
+            "plan=None). Use layout='contiguous' (Ulysses, ring=1, is balanced under any mask)."
+        )
+    if loss_parallel:
+        raise ValueError(
+            "loss_parallel cannot be combined with layout='head_tail': the outputs would stay sharded in the "
+            "layout's head and tail runs, and loss_shard cuts targets contiguously. Train with loss_parallel=False "
+            "(the outputs are gathered back in token order, and exact)."
+        )
+
+
+def set_layout(module: nn.Module, length: int, unit: int = 1) -> Layout | None:
+    """This forward's token layout of the ``length``-token sequence (``unit``: tokens per frame), for a module
+    parallelized with ``layout="head_tail"``; None (contiguous) otherwise. An entry's hooks call it before the
+    forward's first split: the split hooks, the gathers and the mask-spec attention then all follow it, until
+    the next call (activation checkpointing's recomputation, after forward, finds the same one). Local."""
+    state = parallel_state(module)
+    if state is None or state.layout != "head_tail":
+        return None
+    layout = Layout.head_tail(length, state.groups.cp_size, unit)
+    state.split.layout = layout
+    for route in state.routes:
+        route.config.layout = layout
+    return layout
 
 
 def remove(module: nn.Module) -> nn.Module:
@@ -142,6 +204,11 @@ def set_groups(module: nn.Module, groups: CPGroups) -> None:
     state = parallel_state(module)
     if state is None:
         raise ValueError("this module is not parallelized.")
+    if state.layout != "contiguous":
+        raise ValueError(
+            f"dynamic CP cannot switch a module parallelized with layout={state.layout!r}: its layouts are built for "
+            "the CP degree it was parallelized at. Use layout='contiguous' with dynamic CP."
+        )
     state.groups = groups
     state.split.set_group(groups.cp)
     if state.check is not None:

@@ -72,6 +72,8 @@ def build(case: TinyCase, seed: int = 0) -> list[nn.Module]:
     for expert in range(case.experts):
         torch.manual_seed(seed + expert)
         model = construct(cls, case.config)
+        if case.setup is not None:  # what the model's pipeline sets on it (processors)
+            case.setup(model)
         _wake(model, seed + 100 + expert)
         models.append(model)
     return models

@@ -335,6 +335,13 @@ def shard_span(x: torch.Tensor, dim: int) -> tuple[int, int]:
     return sum(lengths[: state.rank]), sum(lengths)
 
 
+def shard_lengths(x: torch.Tensor, dim: int) -> list[int]:
+    """Every CP rank's length of a stand-in's local ``x`` along ``dim`` (what :func:`shard_span` sums), for a mask
+    spec over tokens laid out otherwise than one contiguous run per rank (Flux.2's double blocks: [text_r, image_r])."""
+    route, _ = _active()
+    return route.config.state.lengths_of(x, dim, route.name)
+
+
 def _has_encoder_states(module: nn.Module, args, kwargs) -> bool:
     """Whether a call attends to other tokens than its queries' own: encoder_hidden_states given, and not the
     hidden_states tensor itself (Lumina-Next's self-attention passes its own tokens as both)."""

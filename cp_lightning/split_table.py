@@ -59,6 +59,7 @@ class SplitState:
         self._traced_lengths: dict[str, tuple[int, int]] = {}  # (length, trace) recorded while tracing
         self.joint = False  # the plan has a JointInput (apply_plan): only then is ``lengths`` kept
         self.exchange = False  # set by ``even = False``: no table lookups, exchange the lengths
+        self.layout = None  # this pass's head_tail Layout of the sequence as long as it (parallelize.set_layout)
         self.record: ForwardRecord | None = None  # the current forward pass (gradients.py)
         self._sharded = False  # see ``sharded``: as set outside traces
         self._sharded_traced = False  # as set by the dynamo trace ``_sharded_origin`` (None: none)
@@ -275,6 +276,9 @@ class SplitState:
             return
         if arg is not None and self.joint:  # only JointInput plans read the full lengths
             self.record_length(arg, size)
+        if self.layout is not None and self.layout.length == size:  # cut by the layout's runs, not chunk_sizes
+            self.record_sizes(where, self.layout.lengths)
+            return
         self.record_split(where, size)
 
     def gather(self, where: str, x: torch.Tensor, dim: int, *, closes: bool = True) -> list[int] | None:

@@ -48,6 +48,10 @@ class ContextParallelStrategy(ContextParallelAdapter, DDPStrategy):
         plan: ``{module_path: plan}`` for modules without a diffusers ``_cp_plan``; by default every
             submodule that has one is parallelized.
         loss_parallel: keep outputs sharded and compute the loss per shard (see ``cp_lightning.loss_shard``).
+        layout: how the split hooks cut each sequence: ``"contiguous"`` (one run per rank) or ``"head_tail"``
+            (a head and a tail run per rank, by whole frames: a ring or USP under a block-causal mask runs
+            balanced; for models whose library entry supports it, SkyReels-V2 diffusion forcing; see
+            ``cp_lightning.parallelize``).
         kernel: local attention kernel for ring attention (see ``cp_lightning.kernels``).
         allow_cross_node: let a CP group span nodes.
         check_steps: training steps during which CP peers' inputs are checked to be identical.
@@ -100,6 +104,7 @@ class ContextParallelStrategy(ContextParallelAdapter, DDPStrategy):
         gpu_memory: float | None = None,
         plan: Mapping | None = None,
         loss_parallel: bool = False,
+        layout: str = "contiguous",
         kernel: str | None = None,
         allow_cross_node: bool = False,
         check_steps: int = 2,
@@ -118,7 +123,7 @@ class ContextParallelStrategy(ContextParallelAdapter, DDPStrategy):
         dynamic_weighting: str = "samples",
         **kwargs: Any,
     ) -> None:
-        self._init_cp(cp, ring, plan, loss_parallel, kernel, allow_cross_node, check_steps)
+        self._init_cp(cp, ring, plan, loss_parallel, kernel, allow_cross_node, check_steps, layout)
         self._plan_hints = {"tokens": list(tokens) if tokens else None, "gpu_memory": gpu_memory}
         self._init_fsdp(fsdp, reshard_after_forward, cpu_offload, hsdp, fsdp_blocks, fsdp_units)
         self._init_compile(compile, activation_offload)

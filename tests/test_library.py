@@ -27,7 +27,44 @@ PARITY = [(name, cp, ring, ckpt) for name in NAMES for cp, ring in LAYOUTS for c
 QUICK = {"flux", "wan2.1", "ltx2"}  # the edit-test loop's cases (-m "not slow"); the full suite runs every one
 
 
-def _all_cases(rank, world, names):
+def _skyreels_block_causal(mesh):
+    """SkyReels-V2 DF with blocks of 2 frames: what its self-attention is handed in one process, inside parallelize
+    and after remove (and whether a forward that raises restores the config); the dense mask under a plan passed
+    by hand (the library entry's hooks are not installed then)."""
+    import torch
+
+    from cp_lightning import parallelize, remove
+    from cp_lightning.check import build, make_inputs
+    from cp_lightning.models import lookup
+
+    case = CASES["skyreels-v2-df-block2"]
+    model = build(case)[0]
+    inputs = make_inputs(case, [model], case.tokens)[0]
+    seen = []  # the attention_mask each self-attention is called with: a tensor's shape, or the spec
+    for block in model.blocks:
+        block.attn1.register_forward_pre_hook(lambda _m, a: seen.append(getattr(a[2], "shape", a[2])))
+    config = model.config
+    out = {}
+    with torch.no_grad():
+        for when in ("stock", "inside", "raised", "after", "by hand"):
+            if when == "inside":
+                parallelize(model, mesh=mesh)
+            if when == "by hand":
+                parallelize(model, mesh=mesh, plan=lookup(model).resolve(model))
+            seen.clear()
+            kwargs = inputs if when != "raised" else {**inputs, "encoder_hidden_states": inputs["timestep"]}
+            try:
+                model(**kwargs, return_dict=False)
+                error = None
+            except (ValueError, RuntimeError) as err:  # on every rank alike, before any collective
+                error = f"{type(err).__name__}: {err}"
+            out[when] = {"masks": list(seen), "config kept": model.config is config, "error": error}
+            if when in ("raised", "by hand"):
+                remove(model)
+    return out
+
+
+def _all_cases(rank, world, names, skyreels=False):
     from cp_lightning import build_mesh
     from cp_lightning.check import Reference, run_cp
     from cp_lightning.mesh import cp_groups
@@ -39,7 +76,7 @@ def _all_cases(rank, world, names):
     results = {}
     for name in names:
         for ckpt in (False, True):
-            ref = Reference(CASES[name], TOKENS, ckpt=ckpt)
+            ref = Reference(CASES[name], CASES[name].tokens or TOKENS, ckpt=ckpt)  # a case may need its own count
             for cp, ring in [(2, cp2_ring), (4, 1), (4, 4), (4, 2)]:
                 try:
                     results[(name, cp, ring, ckpt)] = run_cp(ref, meshes[cp], ring)
@@ -55,6 +92,8 @@ def _all_cases(rank, world, names):
         remove(model)
         after = sorted({type(sub.processor).__name__ for sub in model.modules() if hasattr(sub, "processor")})
         results["mochi processors"] = {"inside": inside, "after": after}
+    if skyreels:
+        results["skyreels block-causal"] = _skyreels_block_causal(meshes[4])
     return results
 
 
@@ -65,7 +104,8 @@ def results(request):
         names = sorted({*names, "mochi"})
     if module_selected(request, "test_the_docs_table_is_generated_from_the_library_and_its_parity_rows"):
         names = list(NAMES)  # the table reads every case's rows
-    per_rank = spawn(_all_cases, 4, names, timeout_s=900)
+    skyreels = any(module_selected(request, test) for test in SKYREELS_TESTS)
+    per_rank = spawn(_all_cases, 4, names, skyreels, timeout_s=900)
     merged = {}
     for r in per_rank:
         for case, row in r.items():
@@ -154,14 +194,44 @@ def test_class_without_plan_names_the_checker():
     assert "python -m cp_lightning.check" in str(info.value) and "ContextParallelInput" in str(info.value)
 
 
-def test_block_causal_skyreels_is_refused_before_any_collective():
+def test_block_causal_skyreels_is_accepted_with_its_mask_hooks():
+    """SkyReels-V2 diffusion forcing with num_frame_per_block > 1 has a plan (its parity rows above are exact) and
+    installs the hooks that hand its blocks a mask spec; even a tail block shorter than the rest is accepted."""
     from diffusers import SkyReelsV2Transformer3DModel
 
-    from cp_lightning.models import plan_for
+    from cp_lightning.models import lookup, plan_for
 
-    config = dict(CASES["skyreels-v2-t2v"].config, num_frame_per_block=2)
-    with pytest.raises(ValueError, match="block-causal"):
-        plan_for(SkyReelsV2Transformer3DModel(**config))
+    for per_block in (2, 3, 5):
+        model = SkyReelsV2Transformer3DModel(**dict(CASES["skyreels-v2-t2v"].config, num_frame_per_block=per_block))
+        assert plan_for(model) and lookup(model).install is not None
+
+
+SKYREELS_TESTS = (
+    "test_block_causal_skyreels_gets_a_spec_inside_parallelize_and_its_stock_mask_after_remove",
+    "test_a_dense_block_causal_skyreels_mask_stays_refused",
+)
+
+
+def test_block_causal_skyreels_gets_a_spec_inside_parallelize_and_its_stock_mask_after_remove(results):
+    """Inside parallelize the blocks' self-attention is handed a MaskSpec, never the dense (1, 1, S, S) mask, and
+    the model's own config object is back after every forward, one that raises included; after remove the stock
+    forward builds its dense mask again."""
+    from cp_lightning.masks import block_causal
+
+    r = results["skyreels block-causal"]
+    dense, spec = (1, 1, 30, 30), block_causal(10, 3, 2)  # 10 frames x 3 tokens, blocks of 2 frames
+    assert r["stock"] == {"masks": [dense, dense], "config kept": True, "error": None}, r["stock"]
+    assert r["inside"] == {"masks": [spec, spec], "config kept": True, "error": None}, r["inside"]
+    assert r["raised"]["error"] and r["raised"]["config kept"], r["raised"]
+    assert r["after"] == r["stock"], r["after"]
+
+
+def test_a_dense_block_causal_skyreels_mask_stays_refused(results):
+    """With a plan passed by hand the entry's hooks are not installed: diffusers' dense block-causal mask reaches
+    the CP attention, which cannot prove it equal to a spec and refuses it before communicating."""
+    r = results["skyreels block-causal"]["by hand"]
+    assert r["error"].startswith("ValueError") and "one row per query" in r["error"], r
+    assert r["masks"][:1] == [(1, 1, 30, 30)] and r["config kept"], r
 
 
 def test_omnigen_is_refused_before_any_collective():
@@ -396,8 +466,10 @@ def test_loss_parallel_is_refused_for_plans_whose_last_gather_returns_into_a_blo
     cut = ["bria-fibo2", "ernie-image", "krea2"]
     # video DiTs (issue 46) whose forward regroups the gathered tokens by full lengths or the whole grid
     video = ["anyflow", "consisid", "hunyuanvideo-framepack", "kandinsky6", "latte"]
-    assert sorted(refused) == sorted(["helios", "hidream-i1", "sana", "sana-video", *cut, *video]), refused
-    assert all("Train it without loss_parallel" in refused[name] for name in video), refused
+    # Cosmos3 reads its predictions at global indexes of the concatenated [text, generated] streams (issue 46)
+    packed = ["cosmos3-omni"]
+    assert sorted(refused) == sorted(["helios", "hidream-i1", "sana", "sana-video", *cut, *video, *packed]), refused
+    assert all("Train it without loss_parallel" in refused[name] for name in video + packed), refused
     assert all("cuts the image tokens out of" in refused[name] for name in cut), refused
     assert "'blocks.0.ffn'" in refused["helios"] and "without loss_parallel" in refused["helios"]
     assert "cuts the last block's output" in refused["hidream-i1"] and "without loss_parallel" in refused["hidream-i1"]

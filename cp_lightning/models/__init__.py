@@ -14,6 +14,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 
 __all__ = ["DIFFUSERS", "PlanEntry", "TinyCase", "PLANS", "CASES", "plan_for", "has_plan", "lookup"]
 
@@ -37,6 +38,11 @@ class PlanEntry:
     ``refuse``: a function of the model returning why it cannot be exact (a ValueError is raised with
     it), or None when it can; a plan of None with a refusal refuses every instance. ``loss_parallel``:
     why the plan's outputs cannot stay sharded, when a rule of the engine cannot see it (refused then).
+    ``install``: hooks the model needs beyond splits, gathers and routing (SkyReels-V2 diffusion forcing
+    hands its blocks a mask spec), a function of the model returning their ``RemovableHandle``s;
+    ``parallelize`` calls it last, when it uses this entry, and ``remove`` removes them. ``head_tail``: the
+    install hooks call ``parallelize.set_layout`` before every forward's first split, so the entry supports
+    ``parallelize(..., layout="head_tail")``.
     """
 
     cls: str
@@ -44,6 +50,8 @@ class PlanEntry:
     refuse: Callable[[nn.Module], str | None] | None = None
     needs: str = ""  # engine feature the plan relies on, for docs/models.md
     loss_parallel: str = ""  # why ``loss_parallel=True`` cannot work with this plan ("": it can)
+    install: Callable[[nn.Module], list[RemovableHandle]] | None = None
+    head_tail: bool = False
 
     def resolve(self, model: nn.Module) -> Mapping:
         reason = self.refuse(model) if self.refuse is not None else None
@@ -64,7 +72,10 @@ class TinyCase:
     ``inputs(model, generator, batch, tokens, text_tokens, dtype)`` returns the forward kwargs for
     ``tokens`` image/video tokens after patching. ``experts`` > 1 builds that many instances (Wan2.2
     A14B's high- and low-noise experts) trained together. ``unused``: parameter name prefixes that
-    get no gradient from these inputs (and why, in the entry's comment).
+    get no gradient from these inputs (and why, in the entry's comment). ``tokens``: the token count this
+    case always runs at, for a model that takes only some counts (blocks of frames); None: the caller's.
+    ``setup``: called on each built instance, what a pipeline does to the model before running it (Flux.2
+    Klein KV's pipeline sets the KV processors); None: nothing.
     """
 
     name: str
@@ -75,6 +86,8 @@ class TinyCase:
     unused: tuple[str, ...] = ()
     text_tokens: int = 7
     note: str = ""
+    tokens: int | None = None
+    setup: Callable[[nn.Module], None] | None = None
 
 
 PLANS: dict[str, PlanEntry] = {}
@@ -126,6 +139,7 @@ FAMILIES = (
     *("kandinsky6", "sana_wm"),
     *("auraflow", "bria_fibo", "fluxlike", "flux3", "dit", "ernie", "hunyuan_image", "ideogram", "joyimage"),
     *("omnigen", "prx", "krea", "nucleus"),
+    *("qwenimage21", "flux2_kv"),
 )
 
 

@@ -19,8 +19,7 @@ from cp_lightning.tiny import _factor, _flux_inputs
 # tables are built from the split ids, so they match the local tokens; proj_out gathered.
 FLUX = PlanEntry("FluxTransformer2DModel", DIFFUSERS)
 
-# Flux.2's own plan, the same shape with batched (B, S, 4) ids; right for training as it is.
-FLUX2 = PlanEntry("Flux2Transformer2DModel", DIFFUSERS)
+# Flux.2 (diffusers' own plan, the same shape with batched (B, S, 4) ids, and its KV mode): flux2_kv.py
 
 # Bria 3.x: Flux.1's layout without pooled text or guidance, and no diffusers plan; Flux.1's plan fits it as
 # it is. Its forward takes (S, 3) ids (a (B, S, 3) id tensor is cut to its first sample there, so the plan
@@ -65,7 +64,6 @@ def _flux2_inputs(model, g, batch, tokens, text_tokens, dtype):
 
 register(
     FLUX,
-    FLUX2,
     BRIA,
     TinyCase(
         "flux",

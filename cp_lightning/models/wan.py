@@ -10,11 +10,18 @@ tables after ``rope`` (the same rows as the tokens they rotate), and the output 
 
 from __future__ import annotations
 
+import functools
+from types import SimpleNamespace
+
 import torch
+from diffusers.configuration_utils import FrozenDict
 from diffusers.models._modeling_parallel import ContextParallelInput as In
 from diffusers.models._modeling_parallel import ContextParallelOutput as Out
+from torch.utils.hooks import RemovableHandle
 
+from cp_lightning.masks import MaskSpec, block_causal
 from cp_lightning.models import DIFFUSERS, PlanEntry, TinyCase, register
+from cp_lightning.parallelize import set_layout
 from cp_lightning.plan import PerTokenInput
 from cp_lightning.tiny import _factor, _frames
 
@@ -48,27 +55,87 @@ CHRONOEDIT = PlanEntry(
 # (split with the tokens; the per-sample (B, 6, C) form passes whole), and norm_out's shift/scale
 # (B, S, C) are computed in forward from the full sequence, so the tokens are gathered after the last
 # block and norm_out / proj_out run on whole tokens (the engine's gather rule keeps that exact).
-# num_frame_per_block > 1 builds a block-causal (S, S) mask: every query row differs, so no rank can
-# apply its slice of it without the others' rows and columns; refused.
 def _skyreels_plan(config) -> dict:
     plan = {**WAN_LIKE_PLAN, "blocks.*": {"temb": PerTokenInput(split_dim=2, expected_dims=4)}}
-    if config.num_layers > 1:  # one plan key cannot both split blocks.0's input and gather its output
-        del plan["proj_out"]
-        plan[f"blocks.{config.num_layers - 1}"] = Out(gather_dim=1, expected_dims=3)
+    del plan["proj_out"]
+    # one plan key cannot both split blocks.0's input and gather its output: a one-block model gathers after
+    # norm_out (per token, no parameters), whose output then meets the whole per-token shift / scale
+    last = f"blocks.{config.num_layers - 1}" if config.num_layers > 1 else "norm_out"
+    plan[last] = Out(gather_dim=1, expected_dims=3)
     return plan
 
+
+# num_frame_per_block > 1 (diffusion forcing's causal blocks): a block of latent frames sees itself and the
+# blocks before it. diffusers' forward builds that as a dense (1, 1, S, S) boolean (2.6 GB at 540p x 97 frames)
+# and passes it to every block, where no rank could apply its rows without the others' keys. The entry's hooks
+# hand each block's self-attention masks.block_causal(frames, frame_tokens, num_frame_per_block) instead, the
+# same mask as rectangles, which the routed CP attention runs exactly (docs/masks.md):
+# - a root pre-hook computes the spec from the config and the input's shape (frames F // p_t, frame tokens
+#   (H // p_h) * (W // p_w), frame-major as patch_embedding flattens them) and makes forward build no mask: the
+#   config reads num_frame_per_block=1 (nothing else in forward reads it) until a root forward hook, registered
+#   with always_call so that an exception restores it too, puts the model's own config object back;
+# - a pre-hook on every block puts the spec where forward passes None as the block's `attention_mask`; the
+#   block hands it to its self-attention only (attn1; the text cross-attention gets None), whose processor
+#   passes it to dispatch_attention_fn as attn_mask.
+# Activation checkpointing recomputes each block during backward, after forward returned: the spec is kept
+# until the next forward (as the split table keeps its lengths), so the recomputation gets the same spec; a
+# backward after a later forward of another shape is not supported (nor is it by the split table).
+# diffusers floors the block count and crashes on frames left over (diffusers#13609); the spec makes them a
+# shorter tail block, so such clips run under CP (one process has no reference for them).
+@functools.lru_cache(maxsize=32)
+def _df_mask(frames: int, frame_tokens: int, per_block: int) -> MaskSpec:
+    return block_causal(frames, frame_tokens, per_block)
+
+
+def _install_block_causal(model) -> list[RemovableHandle]:
+    current = SimpleNamespace(spec=None, config=None)  # this forward's spec; the config while forward runs
+
+    def before_forward(module, args, kwargs):
+        _, _, frames, height, width = (args[0] if args else kwargs["hidden_states"]).shape
+        p_t, p_h, p_w = module.config.patch_size
+        frames, frame_tokens = frames // p_t, (height // p_h) * (width // p_w)
+        # layout="head_tail": the split hooks cut the video tokens (and their RoPE rows and per-token modulation)
+        # into each rank's head and tail runs of whole frames, before the first split (rope's)
+        set_layout(module, frames * frame_tokens, frame_tokens)
+        per_block = module.config.num_frame_per_block
+        if per_block <= 1:
+            current.spec = None
+            return
+        current.spec = _df_mask(frames, frame_tokens, per_block)
+        current.config = module._internal_dict
+        module._internal_dict = FrozenDict({**current.config, "num_frame_per_block": 1})
+
+    def after_forward(module, args, kwargs, output):
+        if current.config is not None:
+            module._internal_dict, current.config = current.config, None
+
+    def before_block(block, args, kwargs):
+        if current.spec is None:
+            return None
+        if len(args) > _MASK_AT:  # diffusers passes the blocks' arguments by position
+            if args[_MASK_AT] is None:
+                return (*args[:_MASK_AT], current.spec, *args[_MASK_AT + 1 :]), kwargs
+        elif kwargs.get("attention_mask") is None:
+            return args, {**kwargs, "attention_mask": current.spec}
+        return None
+
+    handles = [
+        model.register_forward_pre_hook(before_forward, with_kwargs=True),
+        model.register_forward_hook(after_forward, with_kwargs=True, always_call=True),
+    ]
+    handles += [block.register_forward_pre_hook(before_block, with_kwargs=True) for block in model.blocks]
+    return handles
+
+
+# SkyReelsV2TransformerBlock.forward(hidden_states, encoder_hidden_states, temb, rotary_emb, attention_mask)
+_MASK_AT = 4
 
 SKYREELS = PlanEntry(
     "SkyReelsV2Transformer3DModel",
     _skyreels_plan,
-    refuse=lambda m: (
-        f"num_frame_per_block={m.config.num_frame_per_block} builds a block-causal attention mask (one row per "
-        "query), which context parallelism cannot split exactly; train with num_frame_per_block=1 (full attention, "
-        "diffusion forcing by per-frame timesteps is fine)."
-        if m.config.num_frame_per_block > 1
-        else None
-    ),
     needs="gathers with parameters after them",
+    install=_install_block_causal,
+    head_tail=True,
 )
 
 # Wan-VACE: the VACE blocks read the *unsplit* video tokens (the same tensor blocks.0 gets) and the control
@@ -145,7 +212,27 @@ def _df_inputs(model, g, batch, tokens, text_tokens, dtype):
     # diffusion forcing: one timestep per latent frame; 3 frames when they divide the tokens (21 = 3 x 1 x 7)
     frames = 3 if tokens % 3 == 0 else _frames(tokens)
     h = _factor(tokens // frames)
-    w = tokens // frames // h
+    return _df_video(model, g, batch, frames, h, tokens // frames // h, text_tokens, dtype)
+
+
+def _blocks_inputs(frame_tokens: int):
+    """Diffusion forcing over ``tokens // frame_tokens`` frames of ``1 x frame_tokens`` tokens, in causal blocks of
+    ``num_frame_per_block`` frames: the one-process reference, diffusers' own forward, needs whole blocks."""
+
+    def inputs(model, g, batch, tokens, text_tokens, dtype):
+        frames, per_block = tokens // frame_tokens, model.config.num_frame_per_block
+        if tokens % frame_tokens or frames % per_block:
+            raise ValueError(
+                f"{tokens} tokens are not whole blocks of {per_block} frames of {frame_tokens} tokens (diffusers' "
+                "SkyReels-V2 crashes on a shorter tail block); pass a multiple of "
+                f"{per_block * frame_tokens} tokens."
+            )
+        return _df_video(model, g, batch, frames, 1, frame_tokens, text_tokens, dtype)
+
+    return inputs
+
+
+def _df_video(model, g, batch, frames, h, w, text_tokens, dtype):
     return {
         "hidden_states": torch.randn(batch, model.config.in_channels, frames, 2 * h, 2 * w, generator=g, dtype=dtype),
         "encoder_hidden_states": torch.randn(batch, text_tokens, model.config.text_dim, generator=g, dtype=dtype),
@@ -180,6 +267,24 @@ register(
         _wan_config(num_layers=2),
         _df_inputs,
         note="diffusion forcing: per-frame timesteps, no block-causal mask",
+    ),
+    # num_frame_per_block > 1: the block-causal mask as a spec (blocks of 2 frames need an even frame count, 21
+    # tokens have none: 10 frames x 3 tokens, which cp 4 does not divide; blocks of 3: 21 frames x 1 token)
+    TinyCase(
+        "skyreels-v2-df-block2",
+        "SkyReelsV2Transformer3DModel",
+        _wan_config(num_layers=2, num_frame_per_block=2),
+        _blocks_inputs(3),
+        note="diffusion forcing with causal blocks of 2 latent frames (10 frames x 3 tokens): the block-causal "
+        "mask as a mask spec, never an S x S tensor",
+        tokens=30,
+    ),
+    TinyCase(
+        "skyreels-v2-df-block3",
+        "SkyReelsV2Transformer3DModel",
+        _wan_config(num_layers=2, num_frame_per_block=3),
+        _blocks_inputs(1),
+        note="diffusion forcing with causal blocks of 3 latent frames (21 frames x 1 token), as a mask spec",
     ),
     TinyCase("skyreels-v2-i2v", "SkyReelsV2Transformer3DModel", _wan_config(**_I2V), _i2v_inputs, text_tokens=512),
     TinyCase(

@@ -31,11 +31,13 @@ def _split(
             f"{where}: expected a {spec.expected_dims}-d tensor to split along dim {spec.split_dim}, got shape "
             f"{tuple(x.shape)}. Pass inputs in the layout the model documents, or fix expected_dims in the plan."
         )
+    layout = None
     if state is not None:
         state.split(where, x.shape[spec.split_dim], arg=arg, opens=opens)
         group = state.group  # the current CP group (dynamic CP rebinds it between steps: cp_lightning.dynamic)
+        layout = state.layout  # head_tail: tokens, RoPE rows and per-token inputs of its length follow its runs
     try:
-        local = collectives.shard(x, spec.split_dim, group)
+        local = collectives.shard(x, spec.split_dim, group, layout)
     except ValueError as err:
         raise ValueError(f"{where}: {err}") from None
     if check is not None:  # after the local validation above: a user mistake never reaches a collective
@@ -188,7 +190,9 @@ def _gather_hook(name: str, spec, group, state: SplitState, gather: bool) -> Cal
                 )
             lengths = state.gather(f"{name}->output[{i}]", x, out_spec.gather_dim, closes=gather)
             if gather:
-                items[i] = collectives.gather(x, out_spec.gather_dim, state.group, record=state.record, lengths=lengths)
+                items[i] = collectives.gather(
+                    x, out_spec.gather_dim, state.group, record=state.record, lengths=lengths, layout=state.layout
+                )
                 continue
             weight = 1.0
             if lengths is not None:
