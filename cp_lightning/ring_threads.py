@@ -166,11 +166,20 @@ def run_ring(
     """Ring attention forward and backward over ``len(q)`` virtual ranks: per rank (out, dq, dk, dv).
 
     Rank r holds ``q[r], k[r], v[r]`` ((B, H, S_r, D); lengths may differ), the key mask ``bias[r]``
-    ((B, H|1, 1, S_r) additive) and the output gradient ``dout[r]``. ``autograd``: through
+    ((B, H|1, 1, S_r) additive) and the output gradient ``dout[r]``. K/V with fewer heads H_kv than the queries'
+    H (dividing it) are grouped-query attention as SDPA's ``enable_gqa``: query head j reads K/V head j // (H / H_kv),
+    the blocks travel with their H_kv heads and dk, dv come back with H_kv heads. ``autograd``: through
     ``ring.ring_attention`` and ``backward()`` (default: on the CPU only, see the module docstring), else the
     two custom ops called directly.
     """
     world = len(q)
+    heads, kv = q[0].shape[1], k[0].shape[1]
+    if kv != heads and (kv < 1 or heads % kv or v[0].shape[1] != kv):
+        raise ValueError(
+            f"grouped-query attention needs K and V with the same head count dividing the {heads} query heads, got "
+            f"K {k[0].shape[1]} and V {v[0].shape[1]} heads."
+        )
+    kv_heads = None if kv == heads else [j // (heads // kv) for j in range(heads)]
     lengths = [t.shape[2] for t in k]
     block_lengths = None if len(set(lengths)) == 1 else lengths
     autograd = q[0].device.type == "cpu" if autograd is None else autograd
@@ -183,11 +192,11 @@ def run_ring(
                 leaves = [t.detach().requires_grad_() for t in (q[r], k[r], v[r])]
                 out = ring.ring_attention(
                     *leaves, group=ring_, kernel=ring.get_kernel(kernel), bias=masks[r], scale=scale,
-                    block_lengths=block_lengths,
+                    block_lengths=block_lengths, kv_heads=kv_heads,
                 )  # fmt: skip
                 out.backward(dout[r])
                 return (out.detach(), *(t.grad for t in leaves))
-            args = (q[r], k[r], v[r], masks[r], ring_.group_name, kernel, scale, block_lengths)
+            args = (q[r], k[r], v[r], masks[r], ring_.group_name, kernel, scale, block_lengths, None, kv_heads)
             out, lse = ring.ring_attention_forward(*args)
             grads = ring.ring_attention_backward(dout[r], q[r], k[r], v[r], out, lse, *args[3:])
             return (out, *grads)

@@ -2,12 +2,16 @@
 
 ``cp_attention`` at cp 2 and 4 in Ulysses, ring and USP 2x2, over H_q/H_kv 8/2, 8/4, 4/1 and 6/2 (Ulysses degrees
 that do not divide H_kv, H_kv below the degree, query groups straddling two ranks), with no mask, a key-padding mask
-and a block-causal mask spec, at 15 tokens (no degree divides them), against one-process SDPA math with
-``enable_gqa`` (fp64: 1e-12; fp32: outputs 1e-5, gradients 1e-4, relative to the largest reference value). A toy
-module whose processor calls diffusers' dispatcher with ``enable_gqa=True`` (as Cosmos3's does), parallelized,
-against the same module in one process; the bytes GQA saves; and the refusal of head counts that do not divide,
-before any collective. Everything runs in one worker group per world size (cp 2 as dp 2 x cp 2 inside the group of
-4 when both run), which computes only what this run selected (tests.conftest.selected).
+and a block-causal mask spec, and the acceptance grid (``GRID``: H_q 6, 8, 12 x every H_kv of 1-4 dividing it x
+Ulysses degree 2, 3, 4 in Ulysses, ring and USP), at 15 tokens (no degree divides them), against one-process SDPA
+math with ``enable_gqa`` (fp64: 1e-12; fp32: outputs 1e-5, gradients 1e-4, relative to the largest reference
+value). A toy module whose processor calls diffusers' dispatcher with ``enable_gqa=True``, parallelized, against the
+same module in one process; the bytes GQA saves; the stand-ins that keep Lumina2's, Krea2's and
+NucleusMoE's grouped K/V heads (and Cosmos3's), against the stock processors in one process (fp64, 1e-12) and the
+ring's K/V bytes under CP against the stock processors' repeated heads; and the refusal of head counts that do not
+divide, before any collective. Everything runs in one worker group per world size (each degree inside the largest
+selected group it divides, e.g. cp 2 as dp 2 x cp 2 in the group of 4), which computes only what this run selected
+(tests.conftest.selected).
 """
 
 from __future__ import annotations
@@ -48,6 +52,20 @@ QUICK = {
     (4, 2, 8, 2, "none", "float32"),
 }
 ROUTED = [(2, 1), (4, 1), (4, 4), (4, 2)]  # the parallelized toy module, H_q/H_kv 6/2
+# issue 46's acceptance grid, fp64 without a mask: H_q in {6, 8, 12} x H_kv in {1, 2, 3, 4} dividing it x Ulysses
+# degree u in {2, 3, 4}, in Ulysses (cp = u), ring (cp = ring = u) and USP (ring 2 x Ulysses u, cp = 2u); rows CASES
+# holds are not repeated. All slow: cp 3 and 6 run in one group of 6 processes, cp 2, 4 and 8 in one of 8
+GRID = sorted(
+    {
+        (cp, ring, hq, hkv, "none", "float64")
+        for hq in (6, 8, 12)
+        for hkv in (1, 2, 3, 4)
+        if hq % hkv == 0
+        for u in (2, 3, 4)
+        for cp, ring in ((u, 1), (u, u), (2 * u, 2))
+    }
+    - set(CASES)
+)
 
 
 def _id(case):
@@ -243,9 +261,19 @@ def _bytes(groups_of):
     }
 
 
-def _lumina2(mesh):
-    """Lumina2's stand-in inside parallelize (its parity rows in tests/test_library.py prove it exact): the processors
-    inside and after, and the ring's K/V bytes in one forward at cp 4 against the stock processor's repeated heads."""
+# library case -> (the stock processor its stand-in replaces, the path prefix of the attention modules in the split
+# region): the stand-ins that hand CP attention their grouped K/V heads instead of the stock processors' repeated ones
+GROUPED_STAND_INS = {
+    "lumina2": ("Lumina2AttnProcessor2_0", "layers."),
+    "krea2": ("Krea2AttnProcessor", "transformer_blocks."),
+    "nucleusmoe-image": ("NucleusMoEAttnProcessor2_0", "transformer_blocks."),
+}
+
+
+def _stand_in(mesh, name):
+    """A library case's grouped-K/V stand-in inside parallelize (its parity rows in tests/test_library.py prove it
+    exact): the processors inside and after, and the ring's K/V bytes in one forward at cp 4 against the stock
+    processor's repeated heads."""
     import copy
 
     from cp_lightning import parallelize, remove, routing
@@ -253,14 +281,14 @@ def _lumina2(mesh):
     from cp_lightning.models import CASES as LIBRARY
     from cp_lightning.parity import build, make_inputs
 
-    case = LIBRARY["lumina2"]
+    case, (processor, prefix) = LIBRARY[name], GROUPED_STAND_INS[name]
     pristine = build(case)[0]
     inputs = make_inputs(case, [pristine], 16)[0]
 
     def run():
         model = copy.deepcopy(pristine)
         parallelize(model, mesh=mesh, ring=4)
-        names = {type(sub.processor).__name__ for name, sub in routing.attention_modules(model) if "layers." in name}
+        names = {type(sub.processor).__name__ for name, sub in routing.attention_modules(model) if prefix in name}
         with torch.no_grad(), count_bytes() as sent:
             model(**inputs)
         remove(model)
@@ -268,11 +296,11 @@ def _lumina2(mesh):
         return sorted(names), sorted(after), sent["p2p:0"] + sent["p2p:1"]  # K and V blocks
 
     inside, after, kv_bytes = run()
-    stand_in = routing.STAND_INS.pop("Lumina2AttnProcessor2_0")
+    stand_in = routing.STAND_INS.pop(processor)
     try:
         stock = run()
     finally:
-        routing.STAND_INS["Lumina2AttnProcessor2_0"] = stand_in
+        routing.STAND_INS[processor] = stand_in
     return {"inside": inside, "after": after, "kv_bytes": kv_bytes, "stock": stock}
 
 
@@ -292,7 +320,7 @@ def _worker(rank, world, jobs):
             results["bad", cp] = _bad_inputs(groups[cp, 1])
         if extra and cp == 4:
             results["bytes"] = _bytes({1: groups[4, 1], 4: groups[4, 4]})
-            results["lumina2"] = _lumina2(meshes[4])
+            results.update({("stand_in", name): _stand_in(meshes[4], name) for name in GROUPED_STAND_INS})
         results.update({case: _case(case, groups[cp, case[1]]) for case in cases})
         results.update({("routed", *mode): _routed(meshes[cp], mode[1]) for mode in routed})
     return results
@@ -302,18 +330,21 @@ def _worker(rank, world, jobs):
 def per_world(request):
     """The cases, routed modes, refusals and bytes this run selected; cp degree -> every rank's results."""
     cases, routed, worlds = selected(request, "case"), selected(request, "routed"), selected(request, "world")
-    extra = set(worlds) | ({4} if selected(request, "bytes_world") or selected(request, "lumina_world") else set())
+    extra = set(worlds) | ({4} if selected(request, "bytes_world") or selected(request, "stand_in") else set())
     degrees = {c[0] for c in cases} | {r[0] for r in routed} | extra
     jobs = {cp: ([c for c in cases if c[0] == cp], [r for r in routed if r[0] == cp], cp in extra) for cp in degrees}
+    # each degree runs in the largest selected group it divides (starting groups costs seconds): cp 2 as dp 2 x cp 2
+    # in the group of 4, or dp 4 x cp 2 in that of 8 when the grid runs, cp 3 as dp 2 x cp 3 in that of 6
+    host = {cp: max(w for w in degrees if w % cp == 0) for cp in degrees}
     by_world = {
-        world: spawn(_worker, world, {cp: job for cp, job in jobs.items() if cp == world or (world, cp) == (4, 2)})
-        for world in {4 if cp == 2 and 4 in degrees else cp for cp in degrees}
+        world: spawn(_worker, world, {cp: job for cp, job in jobs.items() if host[cp] == world})
+        for world in set(host.values())
     }
-    return {cp: by_world[4 if cp == 2 and 4 in degrees else cp] for cp in degrees}
+    return {cp: by_world[host[cp]] for cp in degrees}
 
 
 @pytest.mark.parametrize(
-    "case", [pytest.param(c, marks=[] if c in QUICK else [pytest.mark.slow], id=_id(c)) for c in CASES]
+    "case", [pytest.param(c, marks=[] if c in QUICK else [pytest.mark.slow], id=_id(c)) for c in CASES + GRID]
 )
 def test_gqa_matches_one_process(per_world, case):
     out_tol, grad_tol = TOL[case[5]]
@@ -370,12 +401,73 @@ def test_a_mask_spec_over_local_tokens_takes_gqa():
         local_attention(q, k[:, :, :1].expand(-1, -1, 4, -1), v[:, :, :1].expand(-1, -1, 4, -1), spec)
 
 
-@pytest.mark.parametrize("lumina_world", [4])
-def test_lumina2_hands_its_grouped_heads_to_cp_attention(per_world, lumina_world):
+@pytest.mark.parametrize("stand_in", list(GROUPED_STAND_INS))
+def test_grouped_stand_ins_hand_cp_attention_their_kv_heads(per_world, stand_in):
     """Inside parallelize the stand-in replaces the stock processor (which repeats K/V heads), remove() restores it;
-    the ring's K/V blocks then carry the 2 K/V heads, not 4 repeated ones."""
-    for rank, result in enumerate(per_world[lumina_world]):
-        lumina = result["lumina2"]
-        assert lumina["inside"] == ["Lumina2Attention"] and lumina["after"] == ["Lumina2AttnProcessor2_0"], lumina
-        assert lumina["stock"][0] == ["Lumina2AttnProcessor2_0"], lumina
-        assert lumina["stock"][2] == 2 * lumina["kv_bytes"] > 0, (rank, lumina)
+    the ring's K/V blocks then carry the 2 K/V heads of the tiny case's 4 query heads, not 4 repeated ones."""
+    from cp_lightning import routing
+
+    processor = GROUPED_STAND_INS[stand_in][0]
+    for rank, result in enumerate(per_world[4]):
+        got = result["stand_in", stand_in]
+        assert got["inside"] == [routing.STAND_INS[processor].__name__] and got["after"] == [processor], got
+        assert got["stock"][0] == [processor], got
+        assert got["stock"][2] == 2 * got["kv_bytes"] > 0, (rank, got)
+
+
+def _local_attend(query, key, value, attn_mask=None, scale=None):
+    """A stand-in's ``attend`` in one process: SDPA math with enable_gqa, or a mask spec's rectangles."""
+    from cp_lightning.masked import local_attention
+
+    if isinstance(attn_mask, M.MaskSpec):
+        return local_attention(query, key, value, attn_mask, scale=scale)
+    q, k, v = (t.transpose(1, 2) for t in (query, key, value))  # B, S, H, D -> B, H, S, D and back
+    with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.MATH):
+        out = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=attn_mask, scale=scale, enable_gqa=k.shape[1] != q.shape[1]
+        )
+    return out.transpose(1, 2)
+
+
+@pytest.mark.parametrize("name", [*GROUPED_STAND_INS, "cosmos3-omni"])
+def test_stand_ins_equal_the_stock_processors_in_one_process(monkeypatch, name):
+    """Each stand-in's CP path (its grouped K/V heads to ``attend``, here one-process SDPA math with enable_gqa, or
+    the causal spec's rectangles for Cosmos3's text) against the stock processor, the whole tiny model in fp64:
+    outputs and parameter gradients within 1e-12 of the largest."""
+    import copy
+
+    from cp_lightning import routing
+    from cp_lightning.models import CASES as LIBRARY
+    from cp_lightning.parity import _tensors, build, make_inputs
+
+    # one process: the stand-in's local tokens are the whole sequence (Cosmos3 asks for its text's full length)
+    monkeypatch.setattr(routing, "shard_span", lambda x, dim: (0, x.shape[dim]))
+    if name == "krea2":  # its RMSNorms upcast to fp32 only, which would round the comparison to 1e-8: keep fp64
+        from diffusers.models.transformers.transformer_krea2 import Krea2RMSNorm
+
+        norm = lambda self, x: F.rms_norm(x, (self.dim,), weight=self.weight + 1.0, eps=self.eps)  # noqa: E731
+        monkeypatch.setattr(Krea2RMSNorm, "forward", norm)
+    case = LIBRARY[name]
+    stock = [build(case)[0].double()]
+    inputs = make_inputs(case, stock, 16, dtype=torch.float64)[0]
+    stood_in = copy.deepcopy(stock)
+    swapped = 0
+    for _, sub in routing.attention_modules(stood_in[0]):
+        factory = routing.STAND_INS.get(type(sub.processor).__name__)
+        if factory is not None:
+            sub.processor, swapped = factory(sub.processor, _local_attend, lambda: True), swapped + 1
+    assert swapped
+
+    def run(model):  # fp64 outputs and parameter gradients of a fixed random weighting of the outputs
+        outs = _tensors(model(**inputs, return_dict=False))
+        g = torch.Generator().manual_seed(5)
+        sum((o * torch.randn(o.shape, generator=g, dtype=o.dtype)).sum() for o in outs).backward()
+        return [o.detach() for o in outs], {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+
+    (want, want_grads), (got, got_grads) = run(stock[0]), run(stood_in[0])
+    for a, b in zip(got, want, strict=True):
+        assert (a - b).abs().max() <= 1e-12 * b.abs().max(), name
+    largest = max(g.abs().max() for g in want_grads.values())
+    assert sorted(got_grads) == sorted(want_grads)
+    for key, g in want_grads.items():
+        assert (got_grads[key] - g).abs().max() <= 1e-12 * largest, key

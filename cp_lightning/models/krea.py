@@ -9,7 +9,9 @@ sample. The sequence is gathered after the last block: ``forward`` then cuts the
 text length (``loss_parallel`` is refused for that reason) and ``final_layer`` runs on them.
 
 The stock processor repeats the grouped key/value heads before attention (48 query, 12 key/value heads in the
-released model); under CP the repeated heads are exchanged as they are.
+released model), which under CP would send g = 4 times the K/V bytes: inside the split region
+:class:`Krea2GroupedAttention` stands in for it (routing.py's ``STAND_INS``) and hands CP attention the H_kv heads as
+they are (grouped-query attention); outside it (the text fusion, which runs locally) the stock processor runs.
 """
 
 from __future__ import annotations
@@ -17,9 +19,39 @@ from __future__ import annotations
 import torch
 from diffusers.models._modeling_parallel import ContextParallelInput as In
 from diffusers.models._modeling_parallel import ContextParallelOutput as Out
+from diffusers.models.embeddings import apply_rotary_emb
 
+from cp_lightning import routing
 from cp_lightning.models import PlanEntry, TinyCase, register
 from cp_lightning.tiny import _factor
+
+
+class Krea2GroupedAttention:
+    """``Krea2AttnProcessor``'s stand-in: the same projections, norms, RoPE and gate, its K/V heads unrepeated."""
+
+    stand_in = True
+
+    def __init__(self, original, attend, runs_cp) -> None:
+        self.original, self.attend, self.runs_cp = original, attend, runs_cp
+
+    def __call__(self, attn, hidden_states, attention_mask=None, image_rotary_emb=None):
+        if not self.runs_cp():
+            return self.original(attn, hidden_states, attention_mask, image_rotary_emb)
+        q = attn.norm_q(attn.to_q(hidden_states).unflatten(-1, (attn.num_heads, attn.head_dim)))  # B, S, H, D
+        # B, S, H_kv*D -> B, S, H_kv, D: the grouped heads go to CP attention as they are (enable_gqa)
+        k = attn.norm_k(attn.to_k(hidden_states).unflatten(-1, (attn.num_kv_heads, attn.head_dim)))
+        v = attn.to_v(hidden_states).unflatten(-1, (attn.num_kv_heads, attn.head_dim))
+        if image_rotary_emb is not None:
+            q = apply_rotary_emb(q, image_rotary_emb, sequence_dim=1)
+            k = apply_rotary_emb(k, image_rotary_emb, sequence_dim=1)
+        out = self.attend(q, k, v, attention_mask).flatten(2)  # B, S, H, D -> B, S, H*D
+        return attn.to_out[0](out * torch.sigmoid(attn.to_gate(hidden_states)))
+
+    def __repr__(self) -> str:
+        return f"Krea2GroupedAttention({type(self.original).__name__})"
+
+
+routing.STAND_INS["Krea2AttnProcessor"] = Krea2GroupedAttention
 
 
 def _plan(config) -> dict:
@@ -38,7 +70,7 @@ def _plan(config) -> dict:
 KREA2 = PlanEntry(
     "Krea2Transformer2DModel",
     _plan,
-    needs="gathers with parameters after them",
+    needs="gathers with parameters after them; a stand-in that keeps the grouped K/V heads (Krea2AttnProcessor)",
     loss_parallel="its forward cuts the image tokens out of the last block's output by the full text length",
 )
 
@@ -72,7 +104,7 @@ register(
             num_layers=1,
             attention_head_dim=8,
             num_attention_heads=4,
-            num_key_value_heads=2,  # grouped-query attention, repeated by the processor
+            num_key_value_heads=2,  # grouped-query attention: repeated by the stock processor, not by the stand-in
             intermediate_size=64,
             timestep_embed_dim=16,
             text_hidden_dim=16,
@@ -85,6 +117,6 @@ register(
             axes_dims_rope=(2, 2, 4),
         ),
         _inputs,
-        note="text fusion before the split; GQA (repeated K/V); text padded per sample",
+        note="text fusion before the split; GQA; text padded per sample",
     ),
 )
