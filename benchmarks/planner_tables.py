@@ -3,7 +3,7 @@
 ``PYTHONPATH=. python benchmarks/planner_tables.py`` prints, as Markdown, (1) the planner's predictions next
 to the published per-GPU figures of DESIGN section 8.3 with the relative error, and (2) "what fits where":
 for Wan2.1-14B, Wan2.2 A14B (one expert), HunyuanVideo and FLUX.1-dev, LoRA (rank 32) and full fine-tune, at
-common resolutions and frame counts, on 8x H100 80 GB, 8x H200 141 GB and 4x 24 GB GPUs, the layout the
+common resolutions and frame counts, on 8x H100 80 GB, 8x H200 141 GB (NVLink) and 4x 24 GB GPUs (PCIe), the layout the
 planner chooses (fastest predicted per sample among those that fit) and its GiB per GPU. Everything is
 predicted on the meta device: no GPU, no weights.
 """
@@ -13,10 +13,17 @@ from __future__ import annotations
 import argparse
 
 from cp_lightning.planner import Hardware, Layout, Training, estimate, resolve_model, search
+from cp_lightning.planner.traffic import H100_TFLOPS, NVLINK_H100_GBPS, PCIE4_GBPS, RTX4090_TFLOPS
 
 GIB = 2**30
-# usable memory per GPU in GiB (the devices report 79.2 GiB for an H100 80 GB, 139.8 for an H200, ~23.6 for 24 GB)
-HARDWARE = {"8x H100 80 GB": (8, 79.0), "8x H200 141 GB": (8, 139.0), "4x 24 GB": (4, 23.5)}
+# (GPUs, usable memory per GPU in GiB, link inside the node in GB/s, effective TFLOP/s): the devices report 79.2
+# GiB for an H100 80 GB, 139.8 for an H200, ~23.6 for 24 GB; the 24 GB cards sit on PCIe 4.0 without NVLink
+# (cp_lightning/planner/traffic.py; benchmarks/consumer_presets.py has the consumer presets' own table)
+HARDWARE = {
+    "8x H100 80 GB": (8, 79.0, NVLINK_H100_GBPS, H100_TFLOPS),
+    "8x H200 141 GB": (8, 139.0, NVLINK_H100_GBPS, H100_TFLOPS),
+    "4x 24 GB PCIe": (4, 23.5, PCIE4_GBPS, RTX4090_TFLOPS),
+}
 
 
 def _video_tokens(frames: int, height: int, width: int) -> int:
@@ -86,8 +93,9 @@ def fits_where(model: str, lora_rank: int) -> str:
     for frames, height, width in SHAPES[model]:
         tokens = _video_tokens(frames, height, width) if frames > 1 else (height // 16) * (width // 16)
         cells = []
-        for gpus, memory in HARDWARE.values():
-            ests = search(spec, Hardware(gpus=gpus, gpu_memory_gib=memory), training, [tokens])
+        for gpus, memory, gbps, tflops in HARDWARE.values():
+            hw = Hardware(gpus=gpus, gpu_memory_gib=memory, intra_node_gbps=gbps, tflops=tflops)
+            ests = search(spec, hw, training, [tokens])
             e = ests[0]
             cells.append(
                 f"{e.layout.describe()}: {_gib(e)} GiB"

@@ -537,3 +537,69 @@ def test_batch_size_auto_trains_mixed_images_and_videos_with_per_bucket_batches(
         ).backward()
         for name, (_, grad) in recorded.items():
             torch.testing.assert_close(grad, params[name].grad, rtol=1e-4, atol=1e-4 * grad.abs().max().item())
+
+
+# ---------------------------------------------------------------- the interconnect (issue 47)
+
+
+def test_interconnect_costs_communication_what_its_bandwidth_says():
+    """--interconnect pcie against nvlink: compute is unchanged, the all-to-all and FSDP seconds grow by the ratio
+    of the bandwidths (450 / 25 GB/s, traffic.py), and a layout whose step waits on its all-to-alls ranks worse on
+    PCIe: at 16,384 tokens on 4 x 16 GiB the planner picks cp=4 over NVLink and data parallelism over PCIe."""
+    from cp_lightning.planner.traffic import INTERCONNECTS, NVLINK_H100_GBPS, PCIE4_GBPS
+
+    assert INTERCONNECTS["nvlink"] == NVLINK_H100_GBPS == 450 and INTERCONNECTS["pcie"] == PCIE4_GBPS == 25
+    spec, lora = resolve_model("wan2.1-t2v-1.3b"), Training(lora_rank=32)
+    cp4, dp4 = Layout(1, 4, fsdp="full"), Layout(4, 1, fsdp="full", checkpointing=True)
+    times = {}
+    for link, gbps in (("nvlink", 450.0), ("pcie", 25.0)):
+        hw = Hardware(gpus=4, gpu_memory_gib=16, intra_node_gbps=gbps)
+        times[link] = [estimate(spec, lay, hw, lora, 16384) for lay in (cp4, dp4)]
+    for (nv, pc), lay in zip(zip(times["nvlink"], times["pcie"], strict=True), (cp4, dp4), strict=True):
+        assert nv.comm == pc.comm and nv.seconds["compute"] == pc.seconds["compute"]  # same bytes, same FLOPs
+        assert pc.seconds["dp"] == pytest.approx(nv.seconds["dp"] * 450 / 25, rel=1e-12)
+        if lay.cp > 1:
+            assert pc.seconds["cp"] == pytest.approx(nv.seconds["cp"] * 450 / 25, rel=1e-12)
+            # the all-to-alls are on the critical path: the step grows by their bytes over the slower link
+            extra = nv.comm["all_to_all"] * (1 / 25e9 - 1 / 450e9)
+            assert pc.step_seconds - nv.step_seconds == pytest.approx(extra, rel=1e-9)
+        else:
+            assert pc.seconds["cp"] == nv.seconds["cp"] == 0
+    ratio = {link: cp.sample_seconds / dp.sample_seconds for link, (cp, dp) in times.items()}
+    assert ratio["nvlink"] < 1 < ratio["pcie"]  # the comm-heavy layout is faster on NVLink, slower on PCIe
+    base = ["--model", "wan2.1-t2v-1.3b", "--gpus", "4", "--gpu-memory", "16", "--tokens", "16384", "--lora-rank", "32"]
+    nvlink, pcie = plan(*base, "--interconnect", "nvlink"), plan(*base, "--interconnect", "pcie")
+    assert (nvlink["layout"]["dp"], nvlink["layout"]["cp"]) == (1, 4)
+    assert (pcie["layout"]["dp"], pcie["layout"]["cp"]) == (4, 1)
+    assert pcie["interconnect_gbps"] == {"intra_node": 25.0, "inter_node": 50.0}
+    assert plan(*base, "--interconnect", "25")["layout"] == pcie["layout"]  # a number is GB/s per GPU
+    assert plan(*base)["layout"] == nvlink["layout"]  # the default is NVLink
+    assert plan(*base, "--interconnect", "pcie", "ib")["interconnect_gbps"]["inter_node"] == 50.0
+    with pytest.raises(ValueError, match="--tflops must be a positive"):
+        run([*base, "--tflops", "0"])
+    with pytest.raises(ValueError, match="--search plans a recipe's model"):
+        run([*base, "--search"])
+
+
+@pytest.mark.parametrize(
+    ("links", "message"),
+    [
+        (["fast"], "give a link name, one of nvlink"),
+        (["nvlink4"], "give a link name"),
+        (["0"], "must be a positive number of GB/s"),
+        (["-25"], "must be a positive number of GB/s"),
+        (["nan"], "must be a positive number of GB/s"),
+        (["pcie", "0"], r"--interconnect \(between nodes\) '0'"),
+        (["pcie", "ib", "nvlink"], "optionally the one between nodes, got 3 values"),
+    ],
+)
+def test_bad_interconnect_is_refused(links, message, capsys):
+    from cp_lightning.planner.cli import main
+
+    argv = ["--model", "wan2.1-t2v-1.3b", "--gpus", "2", "--gpu-memory", "80", "--tokens", "4096", "--interconnect"]
+    with pytest.raises(ValueError, match=message):
+        run([*argv, *links])
+    assert main([*argv, *links]) == 2 and message.split(",")[0].replace("\\", "") in capsys.readouterr().err
+    with pytest.raises(ValueError, match="positive"):  # the Python API checks it too, before any estimate
+        search(resolve_model("wan2.1-t2v-1.3b"), Hardware(gpus=2, gpu_memory_gib=80, intra_node_gbps=0.0),
+               Training(), [4096])  # fmt: skip

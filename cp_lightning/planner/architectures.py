@@ -101,6 +101,10 @@ _ATTN = ("to_q", "to_k", "to_v", "to_out.0")
 _JOINT = (*_ATTN, "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out")
 FAMILIES: dict[str, Family] = {
     "WanTransformer3DModel": Family("WanTransformer3DModel", ("num_layers",), ("blocks",), False, 512, _ATTN, "wan2.1"),
+    # SkyReels-V2 diffusion forcing: Wan's layout, one timestep per latent frame (per-token block modulation)
+    "SkyReelsV2Transformer3DModel": Family(
+        "SkyReelsV2Transformer3DModel", ("num_layers",), ("blocks",), False, 512, _ATTN, "skyreels-v2-df", True
+    ),
     "HunyuanVideoTransformer3DModel": Family(
         "HunyuanVideoTransformer3DModel",
         ("num_layers", "num_single_layers"),

@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from cp_lightning.planner.architectures import CONFIGS, resolve_model
 from cp_lightning.planner.memory import BYTES, GIB, Estimate, Hardware, Layout, Training
 from cp_lightning.planner.search import nothing_fits, search
+from cp_lightning.planner.traffic import INTERCONNECTS, link_gbps
 
 PRECISIONS = ("bf16-mixed", "bf16-true", "32-true")
 
@@ -26,6 +27,11 @@ def parser() -> argparse.ArgumentParser:
     src = p.add_mutually_exclusive_group()
     src.add_argument("--tokens", type=int, nargs="+", help="tokens one sample puts through attention, per bucket")
     src.add_argument("--config", help="a recipe YAML: model, buckets (scan of data_dir) and layout")
+    p.add_argument(
+        "--search",
+        action="store_true",
+        help="with --config: search every layout for the recipe's model and buckets instead of evaluating its own",
+    )
     p.add_argument("--batch", type=int, default=None, help="samples per dp rank (default 1)")
     p.add_argument("--text-tokens", type=int, default=None, help="text tokens per sample (default: the family's)")
     p.add_argument("--lora-rank", type=int, default=None, help="LoRA rank; 0 (default) trains every weight")
@@ -40,6 +46,20 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--precision", choices=PRECISIONS, default="bf16-mixed")
     p.add_argument("--params-dtype", choices=("float32", "bfloat16"), default="float32")
     p.add_argument("--base-dtype", choices=("bfloat16", "float32", "float8_e4m3fn"), default=None)
+    p.add_argument(
+        "--interconnect",
+        nargs="+",
+        metavar="LINK",
+        help="the link between the GPUs of a node and, optionally, a second one between nodes: "
+        + ", ".join(f"{k} ({v:g})" for k, v in INTERCONNECTS.items())
+        + " or GB/s per GPU and direction (default: nvlink ib; traffic.py says what each assumes)",
+    )
+    p.add_argument(
+        "--tflops",
+        type=float,
+        default=None,
+        help="effective bf16 TFLOP/s per GPU for the relative time (default 400: H100; 66: RTX 4090)",
+    )
     p.add_argument("--top", type=int, default=8, help="layouts in the table")
     p.add_argument("--json", action="store_true", help="print the chosen layout and gib_per_gpu as JSON")
     return p
@@ -69,6 +89,23 @@ def table(estimates: list[Estimate], top: int) -> str:
     return "\n".join(lines)
 
 
+def links(interconnect: Sequence[str] | None, tflops: float | None) -> dict:
+    """Hardware's link and throughput fields from ``--interconnect INTRA [INTER]`` and ``--tflops``."""
+    out = {}
+    if interconnect:
+        if len(interconnect) > 2:
+            raise ValueError(
+                f"--interconnect takes the link inside a node and optionally the one between nodes, got "
+                f"{len(interconnect)} values: {' '.join(interconnect)}."
+            )
+        out["intra_node_gbps"] = link_gbps(interconnect[0])
+        if len(interconnect) == 2:
+            out["inter_node_gbps"] = link_gbps(interconnect[1], what="--interconnect (between nodes)")
+    if tflops is not None:
+        out["tflops"] = tflops
+    return out
+
+
 def run(argv: Sequence[str] | None = None) -> tuple[dict, str]:
     """(the JSON result, the Markdown report) for the command line ``argv``; ValueError on bad input."""
     a = parser().parse_args(argv)
@@ -77,6 +114,9 @@ def run(argv: Sequence[str] | None = None) -> tuple[dict, str]:
         from cp_lightning.planner.recipe import read_recipe
 
         recipe = read_recipe(a.config, a.model)
+    elif a.search:
+        raise ValueError("--search plans a recipe's model and buckets: give --config RECIPE.yaml (without it the "
+                         "planner searches already, from --model and --tokens).")  # fmt: skip
     elif not a.model:
         raise ValueError("give --model NAME_OR_CONFIG (with --tokens) or --config RECIPE.yaml.")
     elif not a.tokens:
@@ -91,9 +131,11 @@ def run(argv: Sequence[str] | None = None) -> tuple[dict, str]:
         raise ValueError(f"--lora-rank must be >= 0 (0: full fine-tune), got {lora}.")
     ema = a.ema or bool(recipe and recipe.ema)
     training = Training(lora_rank=lora, params_dtype=a.params_dtype, precision=a.precision, ema=ema)
+    own = recipe is not None and not a.search and isinstance(recipe.cp, int) and a.cp is None and a.dp is None
+    own = own and a.fsdp is None  # evaluate the recipe's own layout (else search, or the --dp/--cp given)
     base = a.base_dtype
-    if base is None and recipe is not None and lora:
-        base = recipe.weights_dtype
+    if base is None and recipe is not None and lora and not a.search:
+        base = recipe.base_dtype or recipe.weights_dtype
     if base is not None and base not in BYTES:
         raise ValueError(f"--base-dtype {base!r}: use bfloat16, float32 or float8_e4m3fn.")
     if base is not None and base.startswith("float8") and not lora:
@@ -104,7 +146,7 @@ def run(argv: Sequence[str] | None = None) -> tuple[dict, str]:
     fsdp = a.fsdp or "auto"
     ckpt = a.checkpointing or "auto"
     cp, dp, ring = a.cp, a.dp, a.ring
-    if recipe is not None and isinstance(recipe.cp, int) and cp is None and dp is None and a.fsdp is None:
+    if own:
         cp, ring = recipe.cp, ring or recipe.ring  # the recipe's own layout
         fsdp = "on" if recipe.fsdp == "on" else "off"
         ckpt = ckpt if a.checkpointing else ("on" if recipe.checkpointing else "off")
@@ -116,18 +158,22 @@ def run(argv: Sequence[str] | None = None) -> tuple[dict, str]:
         if fsdp == "auto" or ckpt == "auto":
             raise ValueError("with --dp/--cp give --fsdp on|off and --checkpointing on|off too (the layout in full).")
         sharding = ("hsdp" if a.hsdp or (recipe and recipe.hsdp) else "full") if fsdp == "on" else "off"
-        layout = Layout(dp, cp, ring or 1, sharding, ckpt == "on", a.offload, base or "bfloat16", batch)
-    hw = Hardware(gpus=gpus, gpu_memory_gib=a.gpu_memory, nodes=nodes)
+        offload = a.offload or (own and recipe.offload)
+        layout = Layout(dp, cp, ring or 1, sharding, ckpt == "on", offload, base or "bfloat16", batch)
+    hw = Hardware(gpus=gpus, gpu_memory_gib=a.gpu_memory, nodes=nodes, **links(a.interconnect, a.tflops))
     estimates = search(spec, hw, training, tokens, batch=batch, text_tokens=text, fsdp=fsdp, checkpointing=ckpt,
                        base_dtype=base, layout=layout)  # fmt: skip
     chosen = estimates[0]
     result = chosen.as_dict()
     result.update(model=spec.name, tokens=tokens, fits=chosen.fits)
+    result["interconnect_gbps"] = {"intra_node": hw.intra_node_gbps, "inter_node": hw.inter_node_gbps}
     if not chosen.fits:
         result["why"] = nothing_fits(estimates, hw)
     what = "full fine-tune" if not lora else f"LoRA rank {lora}"
     title = (f"{spec.name}, {what}, {gpus} x {a.gpu_memory:g} GiB GPUs, largest sample {max(tokens)} tokens, "
-             f"batch {batch} per dp rank")  # fmt: skip
+             f"batch {batch} per dp rank, links {hw.intra_node_gbps:g} GB/s inside a node"
+             + (f", {hw.inter_node_gbps:g} GB/s between nodes" if nodes > 1 else "")
+             + " per GPU and direction")  # fmt: skip
     report = [f"## {title}", ""]
     if recipe is not None and recipe.note:
         report += [f"Buckets: {recipe.note}.", ""]

@@ -1,4 +1,4 @@
-"""The per-GPU memory model of one training layout, its bytes per step per collective and a relative step time.
+"""The per-GPU memory model of one training layout (with its traffic and relative step time from ``traffic.py``).
 
 M = states + FSDP in-flight + activations + CP buffers + fixed (``docs/planning.md`` derives each term):
 
@@ -15,6 +15,8 @@ M = states + FSDP in-flight + activations + CP buffers + fixed (``docs/planning.
   allocated and freed every step (FSDP's gathers, activations, CP buffers): the states are allocated once and
   do not fragment the caching allocator's segments.
 
+The bytes per collective and the relative step time over the GPUs' links are :mod:`cp_lightning.planner.traffic`.
+
 ``Estimate.allocated`` is the part ``torch.cuda.max_memory_allocated`` counts (no context, communication
 buffers or margin); ``Estimate.total`` is what the device must hold.
 """
@@ -23,11 +25,12 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 import torch
 
 from cp_lightning.planner.architectures import ModelSpec
+from cp_lightning.planner.traffic import H100_TFLOPS, IB_NDR_GBPS, NVLINK_H100_GBPS, comm_bytes, step_time
 
 GIB = 2**30
 BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1}
@@ -44,9 +47,9 @@ class Hardware:
     cuda_context_gib: float = 0.75  # CUDA context + cuBLAS/cuDNN workspaces
     comm_buffers_gib: float = 0.5  # NCCL's buffers (DDP's buckets are gradient views)
     allocator_margin: float = 0.10  # fragmentation: reserved over allocated, of the per-step allocations
-    tflops: float = 400.0  # effective bf16 throughput per GPU, for relative times only
-    intra_node_gbps: float = 150.0  # GB/s per GPU inside a node (NVLink)
-    inter_node_gbps: float = 25.0  # GB/s per GPU across nodes
+    tflops: float = H100_TFLOPS  # effective bf16 throughput per GPU, for relative times only
+    intra_node_gbps: float = NVLINK_H100_GBPS  # GB/s per GPU and direction inside a node (traffic.py: --interconnect)
+    inter_node_gbps: float = IB_NDR_GBPS  # GB/s per GPU and direction across nodes
 
     @property
     def per_node(self) -> int:
@@ -172,6 +175,7 @@ class Estimate:
     step_seconds: float
     sample_seconds: float
     fits: bool
+    seconds: dict = field(default_factory=dict)  # step time split: compute, cp, dp, offload (traffic.step_time)
 
     @property
     def allocated(self) -> float:
@@ -197,6 +201,7 @@ class Estimate:
             },
             "bytes_per_step": {k: int(v) for k, v in self.comm.items()},
             "sample_seconds": self.sample_seconds,
+            "seconds_per_step": {k: v for k, v in self.seconds.items() if k != "sample"},
             "fits": self.fits,
         }
 
@@ -259,56 +264,21 @@ def estimate(
         cp_buffers += (8 * half + 16) * hidden_bytes  # 2 K/V blocks + dK/dV fp32 in flight, fp32 out/LSE merge
     fixed = (hw.cuda_context_gib + hw.comm_buffers_gib) * GIB
     margin = hw.allocator_margin * (in_flight + acts + cp_buffers)
-    comm = _comm(spec, layout, c, hidden_bytes, tokens, text, training)
-    step, sample = _time(spec, layout, hw, c, comm, tokens, text, lora)
+    comm = comm_bytes(layout, c, hidden_bytes)
+    seconds = step_time(spec, layout, hw, c, comm, tokens, text, lora)
     total = states + in_flight + acts + cp_buffers + fixed + margin
+    fits = total <= hw.gpu_memory_gib * GIB
     return Estimate(
-        layout, states, in_flight, acts, cp_buffers, fixed, margin, comm, step, sample, total <= hw.gpu_memory_gib * GIB
+        layout,
+        states,
+        in_flight,
+        acts,
+        cp_buffers,
+        fixed,
+        margin,
+        comm,
+        seconds["step"],
+        seconds["sample"],
+        fits,
+        seconds,
     )
-
-
-def _comm(spec, layout: Layout, c: Counts, hidden_bytes: float, tokens, text, training: Training) -> dict:
-    """Bytes each GPU sends per optimizer step, per collective."""
-    out = {}
-    passes = 3 if layout.checkpointing else 2  # forward, backward (+ the recomputed forward)
-    u, r = layout.ulysses, layout.ring
-    if u > 1:  # q, k, v, out: (u - 1) / u of each leaves the rank, once per pass
-        out["all_to_all"] = c.attention_layers * 4 * 2 * hidden_bytes * (u - 1) / u * passes
-    if r > 1:  # K/V blocks hop r - 1 times forward; backward K/V (bf16) + dK/dV (fp32) hop r times
-        fwd = (r - 1) * 4 * hidden_bytes
-        out["ring_p2p"] = c.attention_layers * (fwd * (passes - 1) + r * 12 * hidden_bytes)
-    world = layout.dp * layout.cp
-    frozen = c.total - c.trainable
-    if layout.fsdp == "off":
-        if world > 1:
-            out["all_reduce"] = 2 * c.trainable * 4 * (world - 1) / world
-    else:
-        n = world if layout.fsdp == "full" else layout.cp
-        gathered = (c.trainable * 2 + frozen * 2) * (n - 1) / n
-        out["all_gather"] = 2 * gathered  # forward, and again in backward (reshard after forward)
-        out["reduce_scatter"] = c.trainable * 4 * (n - 1) / n
-        if layout.fsdp == "hsdp" and layout.dp > 1:
-            out["all_reduce"] = 2 * c.trainable * 4 / n * (layout.dp - 1) / layout.dp
-    return out
-
-
-def _time(spec, layout: Layout, hw: Hardware, c: Counts, comm: dict, tokens, text, lora) -> tuple[float, float]:
-    """(seconds per step, seconds per sample): compute per GPU, CP traffic on the critical path, FSDP/DDP
-    traffic overlapped with compute. Only ratios between layouts mean anything."""
-    seq = tokens + text if spec.family.joint else tokens
-    passes = 3.0 if not lora else 2.0  # forward 1, backward 2 (weight and input grads) or 1 (input grads only)
-    recompute = 1.0 if layout.checkpointing else 0.0
-    matmul = 2 * c.linear_in_blocks * seq * (passes + recompute)
-    attention = 4 * seq * seq * spec.hidden * c.attention_layers * (3.5 + recompute)  # flash backward ~2.5x
-    compute = layout.batch * (matmul + attention) / layout.cp / (hw.tflops * 1e12)
-    cp_bw = hw.intra_node_gbps if layout.cp <= hw.per_node else hw.inter_node_gbps
-    cp_time = (comm.get("all_to_all", 0) + comm.get("ring_p2p", 0)) / (cp_bw * 1e9)
-    world = layout.dp * layout.cp
-    dp_group = world if layout.fsdp in ("full", "off") else layout.cp
-    dp_bw = hw.intra_node_gbps if dp_group <= hw.per_node else hw.inter_node_gbps
-    dp_bytes = sum(v for k, v in comm.items() if k in ("all_gather", "reduce_scatter", "all_reduce"))
-    offload = 0.0
-    if layout.offload:  # block inputs to host and back over PCIe (~25 GB/s), mostly hidden behind compute
-        offload = 0.2 * compute
-    step = max(compute + cp_time + offload, dp_bytes / (dp_bw * 1e9))
-    return step, step / (layout.dp * layout.batch)

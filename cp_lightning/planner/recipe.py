@@ -25,6 +25,7 @@ HUB = {
 # (pixels per latent token side, frames per latent frame, latent frames per token) of the built-in models
 GEOMETRY = {
     "WanTransformer3DModel": (16, 4, 1),
+    "SkyReelsV2Transformer3DModel": (16, 4, 1),
     "HunyuanVideoTransformer3DModel": (16, 4, 1),
     "FluxTransformer2DModel": (16, 1, 1),
     "QwenImageTransformer2DModel": (16, 1, 1),
@@ -32,6 +33,7 @@ GEOMETRY = {
 GEOMETRY_TI2V = (32, 4, 1)  # Wan2.2 TI2V-5B's VAE compresses 16x spatially
 FAMILY_OF = {
     "WanTransformer3DModel": "wan",
+    "SkyReelsV2Transformer3DModel": "wan",  # Wan's layout and data; the recipe is recipes.skyreels_df
     "HunyuanVideoTransformer3DModel": "hunyuan",
     "FluxTransformer2DModel": "flux",
     "QwenImageTransformer2DModel": "qwenimage",
@@ -54,6 +56,8 @@ class Recipe:
     lora_rank: int
     weights_dtype: str
     ema: bool
+    base_dtype: str | None = None  # model.base_dtype: a float8 frozen base (LoRA), else weights_dtype holds it
+    offload: bool = False  # model.activation_offload or the strategy's
     buckets: list[dict] = field(default_factory=list)
     note: str = ""
 
@@ -107,6 +111,8 @@ def read_recipe(path: str | Path, model: str | None = None) -> Recipe:
         lora_rank=int(mod.get("lora_rank", 4)),
         weights_dtype=str(mod.get("weights_dtype", "float32")),
         ema=bool(mod.get("ema_decay", 0.0)),
+        base_dtype=mod.get("base_dtype"),
+        offload=bool(mod.get("activation_offload", False) or strategy.get("activation_offload", False)),
         buckets=buckets,
         note=note,
     )

@@ -13,6 +13,7 @@ from dataclasses import replace
 
 from cp_lightning.planner.architectures import ModelSpec
 from cp_lightning.planner.memory import GIB, Estimate, Hardware, Layout, Training, estimate
+from cp_lightning.planner.traffic import link_gbps
 
 MODES = ("auto", "on", "off")
 
@@ -28,6 +29,10 @@ def check_hardware(hw: Hardware) -> None:
             f"--gpu-memory {hw.gpu_memory_gib} GiB is not above the fixed overhead per GPU ({fixed} GiB: CUDA context "
             "+ communication buffers): give the GPU's memory in GiB, e.g. 80."
         )
+    for what, gbps in (("--interconnect", hw.intra_node_gbps), ("the inter-node link", hw.inter_node_gbps)):
+        link_gbps(gbps, what=what)  # a ValueError unless a positive number of GB/s
+    if not hw.tflops > 0:
+        raise ValueError(f"--tflops must be a positive TFLOP/s figure per GPU, got {hw.tflops}.")
 
 
 def check_layout(spec: ModelSpec, layout: Layout, hw: Hardware, tokens: list[int]) -> None:

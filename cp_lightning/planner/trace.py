@@ -207,7 +207,9 @@ def make_inputs(spec: ModelSpec, model, *, batch: int, tokens: int, text_tokens:
             "encoder_hidden_states": torch.zeros(batch, text_tokens, cfg.joint_attention_dim, dtype=dtype),
             "encoder_hidden_states_mask": torch.ones(batch, text_tokens, dtype=torch.long),
             "timestep": torch.full((batch,), 0.5, dtype=dtype),
-            "img_shapes": [(1, h, tokens // h)] * batch,
+            # one list of image shapes per sample, as the pipelines pass them (Qwen-Image-Edit-2511's zero_cond_t
+            # reads them so)
+            "img_shapes": [[(1, h, tokens // h)]] * batch,
         }
     else:  # Wan and HunyuanVideo: the library's tiny-case inputs read every size from the model's config
         case = CASES[spec.family.case]
