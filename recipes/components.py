@@ -5,7 +5,8 @@ VAE, CLIP and T5 text encoders; Wan: transformer, Wan VAE, UMT5 encoder; Hunyuan
 HunyuanVideo VAE, Llama and CLIP encoders; QwenImage: transformer, QwenImage VAE, Qwen2.5-VL encoder; all with
 ByT5's byte tokenizer, which needs no vocabulary download) once, with a fixed seed (the Flux, HunyuanVideo and
 QwenImage VAEs fitted to the synthetic shapes, recipes/tiny_vae.py), saves it under ``cache_dir``
-and loads it back with ``from_pretrained``: the recipes take one code path for tiny and real checkpoints.
+and loads it back with ``from_pretrained``: the recipes take one code path for tiny and real checkpoints
+(FLUX.3, which diffusers runs only as a modular pipeline, with a pipeline class of recipes/flux3_pipeline.py).
 """
 
 from __future__ import annotations
@@ -147,6 +148,40 @@ def build_tiny_wan_i2v_pipeline(seed: int = 0):
         scheduler=base.scheduler,
         image_encoder=image_encoder,
         image_processor=CLIPImageProcessorPil(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32}),
+    )
+
+
+def build_tiny_skyreels_df_pipeline(seed: int = 0, frames_per_block: int = 2):
+    """SkyReels-V2 diffusion forcing at tiny size: the tiny Wan pipeline's text encoder, a Wan VAE that compresses
+    4 frames into one as the real one does (clips of 4k+1 frames give k+1 latent frames, so two clip lengths can
+    both fill whole causal blocks), and a SkyReels-V2 transformer attending in causal blocks of
+    ``frames_per_block`` latent frames; UniPC in flow mode, the real pipeline's scheduler."""
+    from diffusers import (
+        AutoencoderKLWan,
+        SkyReelsV2DiffusionForcingPipeline,
+        SkyReelsV2Transformer3DModel,
+        UniPCMultistepScheduler,
+    )
+
+    base = build_tiny_wan_pipeline(seed)
+    with torch.random.fork_rng():
+        torch.manual_seed(seed + 2)
+        vae = AutoencoderKLWan(
+            base_dim=8,
+            z_dim=4,
+            dim_mult=[1, 1, 1],
+            num_res_blocks=1,
+            temperal_downsample=[True, True],
+            latents_mean=[0.0] * 4,
+            latents_std=[1.0] * 4,
+            scale_factor_spatial=4,
+            scale_factor_temporal=4,
+        )
+        config = {k: v for k, v in base.transformer.config.items() if not k.startswith("_")}
+        transformer = SkyReelsV2Transformer3DModel(**config, num_frame_per_block=frames_per_block)
+    scheduler = UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=1.0)
+    return SkyReelsV2DiffusionForcingPipeline(
+        tokenizer=base.tokenizer, text_encoder=base.text_encoder, transformer=transformer, vae=vae, scheduler=scheduler
     )
 
 
@@ -338,13 +373,61 @@ def fit_prompt_template(pipeline):
     return pipeline
 
 
+# family -> (pipeline class: diffusers' name, or a dotted path to the recipes' own; transformer class; tiny builder,
+# or the dotted path of one in a recipe's own module, which imports this one: named, not imported, here)
 FAMILIES = {
     "flux": ("FluxPipeline", "FluxTransformer2DModel", build_tiny_pipeline),
     "wan": ("WanPipeline", "WanTransformer3DModel", build_tiny_wan_pipeline),
     "wan_i2v": ("WanImageToVideoPipeline", "WanTransformer3DModel", build_tiny_wan_i2v_pipeline),
+    "skyreels_df": (
+        "SkyReelsV2DiffusionForcingPipeline",
+        "SkyReelsV2Transformer3DModel",
+        build_tiny_skyreels_df_pipeline,
+    ),
     "hunyuan": ("HunyuanVideoPipeline", "HunyuanVideoTransformer3DModel", build_tiny_hunyuan_pipeline),
     "qwenimage": ("QwenImagePipeline", "QwenImageTransformer2DModel", build_tiny_qwenimage_pipeline),
+    "qwenimage_edit": (
+        "QwenImageEditPlusPipeline",
+        "QwenImageTransformer2DModel",
+        "recipes.qwenimage_edit_parts.build_tiny_qwenimage_edit_pipeline",
+    ),
+    "flux3": (
+        "recipes.flux3_pipeline.Flux3Components",
+        "Flux3Transformer2DModel",
+        "recipes.flux3_pipeline.build_tiny_flux3_pipeline",
+    ),
+    # diffusers' class, named through the module of the tiny pipeline's processor (diffusers loads that processor
+    # only from a module already imported)
+    "qwenimage21": (
+        "recipes.qwenimage21_parts.QwenImage21Pipeline",
+        "QwenImage21Transformer2DModel",
+        "recipes.qwenimage21_parts.build_tiny_qwenimage21_pipeline",
+    ),
 }
+
+
+def pipeline_class(family: str):
+    """The family's pipeline class: diffusers', or the recipes' own (FLUX.3 has none in diffusers 0.42)."""
+    import importlib
+
+    import diffusers
+
+    name = FAMILIES[family][0]
+    if "." not in name:
+        return getattr(diffusers, name)
+    module, _, attr = name.rpartition(".")
+    return getattr(importlib.import_module(module), attr)
+
+
+def tiny_builder(family: str):
+    """The family's tiny-pipeline builder: a function here, or one named by its dotted path in a recipe's module."""
+    import importlib
+
+    builder = FAMILIES[family][2]
+    if not isinstance(builder, str):
+        return builder
+    module, _, attr = builder.rpartition(".")
+    return getattr(importlib.import_module(module), attr)
 
 
 def resolve_pretrained(family: str, pretrained: str, cache_dir: str | Path) -> str:
@@ -354,27 +437,32 @@ def resolve_pretrained(family: str, pretrained: str, cache_dir: str | Path) -> s
     path = Path(cache_dir) / f"tiny_{family}_pipeline"
     if not (path / "model_index.json").exists():
         tmp = path.with_name(path.name + ".tmp")
-        FAMILIES[family][2]().save_pretrained(tmp)
+        tiny_builder(family)().save_pretrained(tmp)
         tmp.rename(path)  # atomic: an interrupted build leaves no half pipeline behind
     return str(path)
 
 
-def load_pipeline(family: str, pretrained: str, cache_dir: str | Path, **kwargs):
-    import diffusers
+def _saved_as_none(cls, path: str) -> dict:
+    """The components a pipeline was saved without (``[null, null]`` in model_index.json: the tiny
+    Qwen-Image-Edit pipeline's processor), which ``from_pretrained`` wants passed, as None."""
+    return {
+        k: None for k, v in cls.load_config(path).items() if isinstance(v, list | tuple) and list(v) == [None, None]
+    }
 
-    cls = getattr(diffusers, FAMILIES[family][0])
-    return fit_prompt_template(cls.from_pretrained(resolve_pretrained(family, pretrained, cache_dir), **kwargs))
+
+def load_pipeline(family: str, pretrained: str, cache_dir: str | Path, **kwargs):
+    cls = pipeline_class(family)
+    path = resolve_pretrained(family, pretrained, cache_dir)
+    return fit_prompt_template(cls.from_pretrained(path, **{**_saved_as_none(cls, path), **kwargs}))
 
 
 def load_encoders(family: str, pretrained: str, cache_dir: str | Path, **kwargs):
     """The family's pipeline without its transformer(s), for caching latents and text: a 12-14B transformer never
     shares the GPU with the text encoders (HunyuanVideo's Llama-3 8B, Flux's and Wan's T5)."""
-    import diffusers
-
-    cls = getattr(diffusers, FAMILIES[family][0])
+    cls = pipeline_class(family)
     path = resolve_pretrained(family, pretrained, cache_dir)
     slots = {name: None for name in ("transformer", "transformer_2") if name in cls.load_config(path)}
-    return fit_prompt_template(cls.from_pretrained(path, **slots, **kwargs))
+    return fit_prompt_template(cls.from_pretrained(path, **{**_saved_as_none(cls, path), **slots, **kwargs}))
 
 
 def load_transformer(family: str, pretrained: str, cache_dir: str | Path, subfolder: str = "transformer", **kwargs):

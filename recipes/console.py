@@ -40,6 +40,12 @@ def quiet() -> None:
     )
     # a transformer-only LoRA loaded into a pipeline with text encoders: nothing is wrong
     diffusers.utils.logging.get_logger("diffusers.loaders.lora_base").addFilter(_Drop(r"^No LoRA keys associated"))
+    # FLUX.3's modular pipeline (recipes/flux3_pipeline.py), built from loaded modules: its guider announces that
+    # guiders are new, and each module handed over without a ComponentSpec is said to be recreatable from its config
+    diffusers.utils.logging.get_logger("diffusers.guiders.guider_utils").addFilter(_Drop(r"^Guiders are currently"))
+    diffusers.utils.logging.get_logger("diffusers.modular_pipelines.modular_pipeline_utils").addFilter(
+        _Drop(r"^Component was not created using `ComponentSpec`")
+    )
     # per-file loading/saving bars of the tiny pipeline and the cache flash by and bury the training bar
     diffusers.utils.logging.disable_progress_bar()
     transformers.utils.logging.disable_progress_bar()

@@ -45,6 +45,15 @@ from recipes.synthetic import make_shapes
 from recipes.validation import source_name
 
 
+def generating(data_dir, count: int) -> str:
+    """What a run says before it fills a missing ``data_dir`` with generated shapes (a mistyped path would
+    otherwise train on them unnoticed)."""
+    return (
+        f"data_dir {data_dir} does not exist: writing {count} generated samples there (data.synthetic_samples; "
+        "set it to 0 to make a missing data_dir an error)."
+    )
+
+
 class EncodedData(L.LightningDataModule):
     """Captioned media -> bucketed, cached latents and embeddings -> batches of one bucket.
 
@@ -135,6 +144,7 @@ class EncodedData(L.LightningDataModule):
         self.aspect_ratios = [parse_ratio(r) for r in aspect_ratios] if aspect_ratios else None
         self.save_hyperparameters()
         self.dataset = self.val_dataset = None
+        self.found: list | None = None  # data_dir's sources, once scanned (plan)
         self.val_samples: list[dict] = []  # the held-out samples (recipes/validation.py)
         self.table: list[dict] = []
         self.batch_sizes: dict[tuple, int] | None = None  # per bucket, with batch_size: auto
@@ -164,6 +174,7 @@ class EncodedData(L.LightningDataModule):
     def prepare_data(self) -> None:
         h = self.hparams
         if h.synthetic_samples > 0 and not Path(self.data_dir).exists():
+            print(generating(self.data_dir, h.synthetic_samples))
             make_shapes(self.data_dir, h.synthetic_samples, size=h.resolution, seed=h.seed, frames=self.num_frames)
         self._pipeline_path()  # builds the tiny pipeline once, before every rank reads it
 
@@ -204,6 +215,13 @@ class EncodedData(L.LightningDataModule):
         h = self.hparams
         return find_sources(folder, allow_empty_captions=h.allow_empty_captions, fingerprint=h.fingerprint)
 
+    def sample_references(self, count: int) -> list:
+        """The media of the first ``count`` samples of ``data_dir`` (in its fixed order), that an image-conditioned
+        sampler starts from when ``samples.images`` is not given (an image-to-video sample: a clip's first frame);
+        an editing recipe's data returns its pairs' references."""
+        found = self.found if self.found is not None else self.sources(self.data_dir)
+        return found[:count]
+
     def plan(self, cp: int = 1) -> list[dict]:
         """Every sample with its bucket and cache key, and the bucket table in ``self.table``."""
         h = self.hparams
@@ -228,7 +246,7 @@ class EncodedData(L.LightningDataModule):
             [(h.width or h.resolution) / h.resolution] if h.width else DEFAULT_ASPECT_RATIOS
         )
         buckets = make_buckets(resolutions(pixels, ratios, multiple), frame_counts)
-        sources = self.sources(self.data_dir)
+        sources = self.found = self.sources(self.data_dir)
         validation, held_out, root = self._validation(), [], self.data_dir
         if validation is not None and validation.data_dir is None:  # a part of data_dir, left out of training
             sources, held_out = validation.split(sources, self.data_dir)

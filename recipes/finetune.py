@@ -426,10 +426,14 @@ class RecipeCLI(LightningCLI):
 
     def before_fit(self) -> None:
         from recipes import lora
+        from recipes.sampling import Samples
 
         h = self.model.hparams
         training.check_schedule(h.lr_scheduler, h.warmup_steps, self.trainer.max_steps)
         check_weights_dtype(h.weights_dtype, self.trainer.precision)
+        for callback in self.trainer.callbacks:  # a missing samples.images file, before any process starts
+            if isinstance(callback, Samples):
+                callback.check_images()
         family = self.model_class.family
         for section in ("export", "checkpoint"):
             key = "format" if section == "export" else "export_format"

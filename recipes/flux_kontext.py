@@ -23,10 +23,10 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from PIL import Image
 
 from recipes.cache import CachedDataset, digest
 from recipes.data import FluxData
+from recipes.encoded import generating
 from recipes.finetune import cli
 from recipes.flux import FluxFineTune
 from recipes.media import IMAGE_EXTENSIONS, Source, load_frames, probe, to_pixels
@@ -96,6 +96,7 @@ class FluxKontextData(FluxData):
     def prepare_data(self) -> None:
         h = self.hparams
         if h.synthetic_samples > 0 and not Path(self.data_dir).exists():
+            print(generating(self.data_dir, h.synthetic_samples))
             make_pairs(self.data_dir, h.synthetic_samples, size=h.resolution, seed=h.seed)
         super().prepare_data()
 
@@ -129,6 +130,11 @@ class FluxKontextData(FluxData):
             self.controls[pair.path] = reference
             out.append(pair)
         return out
+
+    def sample_references(self, count: int) -> list[Source]:
+        """The references of the first ``count`` pairs: what the edit samples start from without ``samples.images``."""
+        pairs = super().sample_references(count)
+        return [self.controls[pair.path] for pair in pairs]
 
     def plan(self, cp: int = 1) -> list[dict]:
         samples = super().plan(cp)
@@ -208,10 +214,13 @@ class FluxKontextFineTune(FluxFineTune):
 
 
 class SampleFluxKontext(SampleFlux):
-    """Edits of fixed reference images (``images``, one per prompt) rendered by FluxKontextPipeline with the
-    training transformer (context parallel); the other arguments as :class:`recipes.sampling.Samples`'s."""
+    """Edits of fixed reference images rendered by FluxKontextPipeline with the training transformer (context
+    parallel): ``images`` gives one reference per prompt; without it, prompt i edits the reference of the data's
+    i-th pair (so ``--data.data_dir`` alone moves the samples to one's own pairs). The other arguments as
+    :class:`recipes.sampling.Samples`'s."""
 
     default_guidance = 2.5  # FLUX.1 Kontext-dev's distilled guidance
+    image_role = "reference image"
 
     def __init__(
         self,
@@ -239,22 +248,21 @@ class SampleFluxKontext(SampleFlux):
             seed=seed,
         )
         self.images = list(images or [])
-        if len(self.images) != len(self.prompts):
+        if self.images and len(self.images) != len(self.prompts):
             raise ValueError(
                 f"samples.images must give one reference image per prompt ({len(self.prompts)} prompts, "
-                f"{len(self.images)} images): an edit needs the image it edits."
+                f"{len(self.images)} images): an edit needs the image it edits (or leave images out: the "
+                "references of the data's first pairs)."
             )
 
     def prepare(self, trainer, pl_module) -> None:
         from diffusers import FluxKontextPipeline
 
-        missing = [path for path in self.images if not Path(path).is_file()]
-        if missing:
-            raise ValueError(f"samples.images: {missing[0]} does not exist (the reference image of its prompt).")
+        references = self.load_images(trainer)
         super().prepare(trainer, pl_module)
         self.pipeline = FluxKontextPipeline.from_pipe(self.pipeline)
         self.pipeline.set_progress_bar_config(disable=True)
-        self.references = [Image.open(path).convert("RGB") for path in self.images]
+        self.references = references
 
     def render(self, pipeline, embeds, seed):
         index = (seed - self.seed) % len(self.references)  # prompt i renders with seed + i

@@ -32,13 +32,15 @@ CONVERTIBLE = ("diffusers", "comfyui")  # what recipes.convert_lora converts bet
 # Flux's fused qkv / linear1 layers can take a stacked LoRA exactly but neither a DoRA (one norm per fused row
 # over all members' updates) nor a Kronecker product. peft's format (load_peft) holds every variant.
 VARIANT_FORMATS = {"lora": ("diffusers", "comfyui", "peft"), "dora": ("diffusers", "peft"), "lokr": ("peft",)}
-COMFYUI_FAMILIES = ("flux", "wan", "wan_i2v", "hunyuan")  # families with a ComfyUI layout below
+COMFYUI_FAMILIES = ("flux", "wan", "wan_i2v", "skyreels_df", "hunyuan")  # families with a ComfyUI layout below
 BASE_MODEL_VERSIONS = {
     "flux": "flux1",
     "wan": "wan",
     "wan_i2v": "wan",
+    "skyreels_df": "wan",  # SkyReels-V2 is Wan's architecture
     "hunyuan": "hunyuan_video",
     "qwenimage": "qwen_image",
+    "qwenimage21": "qwen_image_2_1",
 }  # kohya's ss_base_model_version
 
 # Flux: diffusers module (under a block) -> (original layer, member index, members of the fused layer)
@@ -143,7 +145,7 @@ def to_comfyui(state: dict[str, torch.Tensor], family: str, fused_dims: dict[str
     for members without a LoRA."""
     modules = _modules(state)
     out: dict[str, torch.Tensor] = {}
-    if family in ("wan", "wan_i2v"):  # image-to-video: the same blocks, with k_img/v_img
+    if family in ("wan", "wan_i2v", "skyreels_df"):  # I2V: the same blocks, with k_img/v_img; SkyReels-V2 is Wan
         for module, ab in modules.items():
             block, _, rest = module.partition(".")
             index, _, name = rest.partition(".")
@@ -203,7 +205,7 @@ def to_diffusers(state: dict[str, torch.Tensor], family: str, dims: dict[str, li
     into its members exactly, any other fused LoRA gives each member the whole down matrix (still exact,
     larger rank). Zero padding members (all-zero down block) are dropped."""
     out: dict[str, torch.Tensor] = {}
-    if family in ("wan", "wan_i2v"):  # image-to-video: the same blocks, with k_img/v_img
+    if family in ("wan", "wan_i2v", "skyreels_df"):  # I2V: the same blocks, with k_img/v_img; SkyReels-V2 is Wan
         reverse = {v: k for k, v in _WAN.items()}
         for key, value in state.items():
             match = re.match(r"^diffusion_model\.blocks\.(\d+)\.(.+)\.(lora_[AB]\.weight|alpha)$", key)

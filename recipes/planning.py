@@ -46,12 +46,14 @@ def add_estimates(
     weights_dtype: str = "float32",
     ema: bool = False,
     batch_size: int = 1,
+    base_dtype: str | None = None,
+    offload: bool = False,
 ) -> None:
     """Adds the planner's ``est_gib_per_gpu`` (states + activations + CP buffers + fixed) to each bucket row;
     ``tokens(bucket)`` -> (split tokens, text tokens split with them) as the data module's ``tokens``."""
     sharding = ("hsdp" if hsdp and world > cp else "full") if fsdp else "off"
-    base = weights_dtype if lora_rank else "bfloat16"
-    layout = Layout(world // cp, cp, ring, sharding, checkpointing, False, base, batch_size)
+    base = (base_dtype or weights_dtype) if lora_rank else "bfloat16"  # base_dtype: a float8 frozen base
+    layout = Layout(world // cp, cp, ring, sharding, checkpointing, offload and checkpointing, base, batch_size)
     training = Training(lora_rank=lora_rank, params_dtype="float32", ema=ema)  # trainable weights are fp32
     hw = Hardware(gpus=world, gpu_memory_gib=1e6)  # no budget: the estimate only
     for row in rows:
@@ -134,12 +136,24 @@ def dry_run(config, model_class, data_class) -> None:
         weights_dtype=str(model.get("weights_dtype", "float32")),
         ema=bool(model.get("ema_decay", 0.0)),
         batch_size=1 if data.get("batch_size") == "auto" else int(data.get("batch_size", 1)),
+        base_dtype=model.get("base_dtype"),
+        offload=bool(model.get("activation_offload") or args.get("activation_offload")),
     )
     print(f"buckets ({len(samples)} samples, batch_size {data.get('batch_size')} per dp rank, cp={cp}):")
     print(format_table(module.table))
     root = trainer.get("default_root_dir")
     if root:
         write_csv(module.table, Path(root) / "buckets.csv")
+    sampling = plain(config["samples"]) if "samples" in config else {}
+    if "images" in sampling:  # an image-conditioned sampler: what each prompt starts from (given, or the data's)
+        sampler = model_class.sampler(**sampling)
+        print("samples (prompt <- samples.images, or the data's first samples when not given):")
+        try:
+            for prompt, source in zip(sampler.prompts, sampler.sample_images(module), strict=True):
+                sources = source if isinstance(source, list) else [source]  # (an edit may take several)
+                print(f"  {prompt!r} <- {', '.join(s.path for s in sources)}")
+        except ValueError as err:  # the plan above stands; training would stop here (before any process)
+            print(f"  {err}")
 
 
 class _Bucket:
@@ -158,4 +172,6 @@ def layout_options(strategy, hparams: dict) -> dict:
         lora_rank=int(hparams.get("lora_rank", 0)),
         weights_dtype=hparams.get("weights_dtype", "float32"),
         ema=bool(hparams.get("ema_decay", 0.0)),
+        base_dtype=hparams.get("base_dtype"),
+        offload=bool(hparams.get("activation_offload") or getattr(strategy, "activation_offload", False)),
     )

@@ -47,10 +47,14 @@ class Samples(L.Callback):
         fps: frame rate of the video files.
         vae_tiling: decode with the VAE's spatial tiling (720p videos: the untiled decoder's activations alone
             outgrow a GPU).
+        enabled: False renders no samples (nothing is loaded): where the pipeline's text encoders, or Wan2.2
+            A14B's other expert, do not fit next to the training states (configs/consumer/).
     """
 
     family = ""
     default_guidance = 1.0
+    images: list[str] = []  # an image-conditioned sampler's ``samples.images``: one image per prompt (or none)
+    image_role = "image"  # what that image is to its prompt's sample ("reference image", "first frame"), in messages
 
     def __init__(
         self,
@@ -69,19 +73,21 @@ class Samples(L.Callback):
         seed: int = 0,
         fps: int = 8,
         vae_tiling: bool = False,
+        enabled: bool = True,
     ):
+        self.enabled = enabled
         if every_n_steps < 0:
             raise ValueError(f"every_n_steps must be >= 0 (0: only at step 0 and at the end), got {every_n_steps}.")
         if not true_cfg_scale >= 1.0:
             raise ValueError(
                 f"samples.true_cfg_scale must be >= 1.0 (1.0: no classifier-free guidance), got {true_cfg_scale}."
             )
-        if true_cfg_scale != 1.0 and self.family not in ("hunyuan", "qwenimage"):
+        if true_cfg_scale != 1.0 and self.family not in ("hunyuan", "qwenimage", "qwenimage_edit"):
             raise ValueError(
                 f"samples.true_cfg_scale is HunyuanVideo's and QwenImage's; the {self.family} samples take "
                 "guidance_scale (Wan: classifier-free guidance with negative_prompt; Flux: distilled guidance)."
             )
-        if guidance_scale is not None and self.family == "qwenimage":
+        if guidance_scale is not None and self.family in ("qwenimage", "qwenimage_edit"):
             raise ValueError(
                 "samples.guidance_scale: QwenImage has no distilled guidance; its classifier-free guidance is "
                 "samples.true_cfg_scale (e.g. 4.0) with samples.negative_prompt."
@@ -100,6 +106,42 @@ class Samples(L.Callback):
         self.embeds: list[dict] = []
         self.sampled: set[int] = set()  # steps sampled so far (every rank)
         self.history: dict[int, list[np.ndarray]] = {}  # step -> one (F, H, W, 3) array per prompt (rank 0)
+
+    # -- each prompt's image, for the samplers that start from one (edits, image-to-video) ------------
+    def check_images(self) -> None:
+        """Refuse a ``samples.images`` file that does not exist, naming it (RecipeCLI calls this before any
+        process starts, the sampler again where it loads them)."""
+        for i, path in enumerate(self.images):  # (one per prompt: the sampler's constructor checks it)
+            prompt = self.prompts[i]
+            if not Path(path).is_file():
+                raise ValueError(
+                    f"samples.images: {path} does not exist (the {self.image_role} of the prompt {prompt!r}); give "
+                    "an existing file, or leave samples.images out to take those of the data's first samples."
+                )
+
+    def sample_images(self, datamodule) -> list:
+        """Each prompt's image as a ``recipes.media.Source``: the ``samples.images`` given, else those of the data's
+        first ``len(prompts)`` samples (``datamodule.sample_references``: a pair's reference, a clip's first frame).
+        So a config that leaves ``images`` out follows ``--data.data_dir`` to the user's own data."""
+        from recipes.media import Source
+
+        if self.images:
+            self.check_images()
+            return [Source(str(path), "", False) for path in self.images]
+        found = datamodule.sample_references(len(self.prompts)) if hasattr(datamodule, "sample_references") else []
+        if len(found) < len(self.prompts):
+            where = f"the data in {datamodule.data_dir} has {len(found)}" if found else "no data module gives any"
+            raise ValueError(
+                f"samples.images: the samples need one {self.image_role} per prompt ({len(self.prompts)} prompts) "
+                f"and {where}: give samples.images ({len(self.prompts)} paths), or fewer samples.prompts."
+            )
+        return found
+
+    def load_images(self, trainer) -> list:
+        """The RGB PIL images of :meth:`sample_images`, from the Trainer's data module."""
+        from recipes.media import load_frames
+
+        return [load_frames(source, [0])[0] for source in self.sample_images(getattr(trainer, "datamodule", None))]
 
     # -- what a family defines ------------------------------------------------------------------------
     def encode(self, pipeline, prompt: str) -> dict:
@@ -142,16 +184,22 @@ class Samples(L.Callback):
         self.pipeline = pipeline
 
     def on_train_start(self, trainer, pl_module):
+        if not getattr(self, "enabled", True):  # (subclasses with their own __init__ always sample)
+            return
         self.prepare(trainer, pl_module)
         if trainer.global_step == 0:
             self.sample(trainer, pl_module)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if not getattr(self, "enabled", True):
+            return
         step = trainer.global_step
         if self.every_n_steps and step % self.every_n_steps == 0 and step not in self.sampled:
             self.sample(trainer, pl_module)
 
     def on_train_end(self, trainer, pl_module):
+        if not getattr(self, "enabled", True):
+            return
         if trainer.global_step not in self.sampled:  # every rank decides alike: all render together
             self.sample(trainer, pl_module)
         if trainer.is_global_zero and self.history:

@@ -7,8 +7,8 @@ Adam on MSE reconstruction plus a small KL term, on random 16 px crops of 256 ge
 VAEs are convolutional; crops cost a quarter of full images): ~15 s of one CPU core for Flux's, about a
 minute for HunyuanVideo's. The latents are then standardised the way the real VAEs are (Flux:
 ``shift_factor`` and ``scaling_factor``; HunyuanVideo: ``scaling_factor``; QwenImage: ``latents_mean`` and
-``latents_std`` per channel). Deterministic for a given torch
-build; the fitted weights are cached per machine in ``$CP_LIGHTNING_CACHE`` (default
+``latents_std`` per channel; Flux.2's, which FLUX.3 uses: its batch norm's running statistics). Deterministic
+for a given torch build; the fitted weights are cached per machine in ``$CP_LIGHTNING_CACHE`` (default
 ``~/.cache/cp_lightning``), so every tiny pipeline built on them (tests build many) pays the fit once.
 """
 
@@ -26,7 +26,9 @@ STEPS, BATCH, CROP, LR, SAMPLES = 400, 16, 16, 4e-3, 256
 
 
 def _cache_file(vae, frames: int) -> Path:
-    settings = [dict(vae.config), STEPS, BATCH, CROP, LR, SAMPLES, torch.__version__]
+    # diffusers' private config keys (`_use_default_values`: a list in no fixed order) would make the key differ
+    config = {k: v for k, v in vae.config.items() if not k.startswith("_")}
+    settings = [config, STEPS, BATCH, CROP, LR, SAMPLES, torch.__version__]
     key = json.dumps(settings + ([frames] if frames > 1 else []), sort_keys=True, default=str)
     root = Path(os.environ.get("CP_LIGHTNING_CACHE", Path.home() / ".cache" / "cp_lightning"))
     kind = "qwenimage" if _per_channel(vae) else "flux" if frames == 1 else "video"
@@ -110,6 +112,14 @@ def fit_tiny_vae(vae, frames: int = 1) -> None:
     if per_channel:  # N, C, 1, h, w: each channel standardised, as QwenImage's VAE config does
         dims = [0, *range(2, z.ndim)]
         vae.register_to_config(latents_mean=z.mean(dims).tolist(), latents_std=z.std(dims).tolist())
+        return
+    if getattr(vae, "bn", None) is not None:  # Flux.2's VAE (FLUX.3's too): a batch norm's running statistics
+        # standardise each channel of the 2x2-patchified latents, as its pipelines read them
+        n, c, h, w = z.shape
+        patches = z.view(n, c, h // 2, 2, w // 2, 2).permute(0, 1, 3, 5, 2, 4).reshape(n, 4 * c, h // 2, w // 2)
+        var = patches.var(dim=(0, 2, 3)) - vae.config.batch_norm_eps  # the pipelines add eps back
+        vae.bn.running_mean.copy_(patches.mean(dim=(0, 2, 3)))
+        vae.bn.running_var.copy_(var.clamp_min(0.0))
         return
     if frames > 1:  # HunyuanVideo's VAE scales its latents, with no shift
         vae.register_to_config(scaling_factor=float(1.0 / z.std()))

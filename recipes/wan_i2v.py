@@ -17,8 +17,6 @@ tokens (``data.max_sequence_length`` and ``samples.max_sequence_length``), as th
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import numpy as np
 import torch
 from PIL import Image
@@ -137,6 +135,7 @@ class SampleWanI2V(SampleWan):
     i-th clip of the training data. The other arguments as :class:`recipes.sampling.Samples`'s."""
 
     family = "wan_i2v"
+    image_role = "first frame"
 
     def __init__(
         self,
@@ -180,24 +179,9 @@ class SampleWanI2V(SampleWan):
         self.references: list[Image.Image] = []
 
     def prepare(self, trainer, pl_module) -> None:
-        missing = [path for path in self.images if not Path(path).is_file()]
-        if missing:
-            raise ValueError(f"samples.images: {missing[0]} does not exist (the first frame of its prompt's sample).")
-        references = [Image.open(path).convert("RGB") for path in self.images] or self._first_frames(trainer)
+        references = self.load_images(trainer)  # samples.images, else the first frames of the data's first clips
         super().prepare(trainer, pl_module)
         self.references = [image.resize((self.width, self.height)) for image in references]
-
-    def _first_frames(self, trainer) -> list[Image.Image]:
-        from recipes.media import find_sources
-
-        data_dir = getattr(getattr(trainer, "datamodule", None), "data_dir", None)
-        sources = find_sources(data_dir, allow_empty_captions=True) if data_dir else []
-        if len(sources) < len(self.prompts):
-            raise ValueError(
-                f"the image-to-video samples need an image per prompt: give samples.images ({len(self.prompts)} "
-                f"paths), or train on a data_dir with at least {len(self.prompts)} clips to take first frames from."
-            )
-        return [load_frames(source, [0])[0] for source in sources[: len(self.prompts)]]
 
     def render(self, pipeline, embeds, seed):
         index = (seed - self.seed) % len(self.references)  # prompt i renders with seed + i

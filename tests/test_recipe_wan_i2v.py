@@ -123,7 +123,7 @@ def test_bad_input_is_a_clear_error(run):
         WanI2VData(data_dir=str(run["data"]), cache_dir=str(run["tmp"] / "cache"), max_sequence_length=32).setup("fit")
     with pytest.raises(ValueError, match=r"samples.images must give one image per prompt \(2 prompts, 1 images\)"):
         SampleWanI2V(prompts=["a", "b"], images=["one.png"])
-    with pytest.raises(ValueError, match="samples.images: nowhere.png does not exist"):
+    with pytest.raises(ValueError, match=r"samples.images: nowhere.png does not exist \(the first frame of the prompt"):
         SampleWanI2V(prompts=["a"], images=["nowhere.png"]).prepare(SimpleNamespace(), None)
-    with pytest.raises(ValueError, match="the image-to-video samples need an image per prompt: give samples.images"):
-        SampleWanI2V(prompts=["a"])._first_frames(SimpleNamespace())
+    with pytest.raises(ValueError, match="samples need one first frame per prompt .* give samples.images"):
+        SampleWanI2V(prompts=["a"]).prepare(SimpleNamespace(), None)
