@@ -92,6 +92,17 @@ BARE_DISPATCH = ("CosmosAttnProcessor2_0",)
 STAND_INS: dict = {}
 
 
+class StandIn:
+    """What every stand-in shares: the stock processor it replaces (run outside the split region and in one process),
+    ``attend`` (CP attention over the running routed module) and ``runs_cp()`` (whether this call is inside the
+    split region); ``stand_in`` marks it for :func:`unroute_processors`."""
+
+    stand_in = True
+
+    def __init__(self, original, attend, runs_cp) -> None:
+        self.original, self.attend, self.runs_cp = original, attend, runs_cp
+
+
 @dataclass
 class Route:
     """One attention module's routing: its path, processor kind, and whether the current call is CP."""

@@ -114,7 +114,7 @@ def _cosmos3_plan(config) -> dict:
     }
 
 
-class Cosmos3Attention:
+class Cosmos3Attention(routing.StandIn):
     """``Cosmos3AttnProcessor``'s stand-in: the same projections, norms and RoPE, and each pathway through CP attention.
 
     The text pathway is causal (``is_causal=True``), which CP attention takes as a mask spec over the whole text (a
@@ -122,11 +122,6 @@ class Cosmos3Attention:
     every text key (normed for them) and their own, unmasked: keys concatenated per rank form a permutation of the
     whole key set, which unmasked softmax attention does not see. Both keep their 8 (tiny: 2) K/V heads (GQA).
     """
-
-    stand_in = True
-
-    def __init__(self, original, attend, runs_cp) -> None:
-        self.original, self.attend, self.runs_cp = original, attend, runs_cp
 
     def __call__(self, attn, und_seq, gen_seq, rotary_emb):
         if not self.runs_cp():

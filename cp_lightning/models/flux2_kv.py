@@ -109,13 +109,8 @@ def double_spec(text: tuple[int, ...], image: tuple[int, ...], references: int) 
     return MaskSpec(len(text) * m, tuple(slices)), m
 
 
-class Flux2KVJointAttention:
+class Flux2KVJointAttention(routing.StandIn):
     """``Flux2KVAttnProcessor``'s stand-in (double-stream blocks): the KV mask as a spec over [text_r, image_r]."""
-
-    stand_in = True
-
-    def __init__(self, original, attend, runs_cp) -> None:
-        self.original, self.attend, self.runs_cp = original, attend, runs_cp
 
     def __call__(
         self,
@@ -174,14 +169,9 @@ def _prefix_spec(text: int, references: int, length: int) -> MaskSpec:
     return prefix_only(text, references, length - text - references)
 
 
-class Flux2KVParallelAttention:
+class Flux2KVParallelAttention(routing.StandIn):
     """``Flux2KVParallelSelfAttnProcessor``'s stand-in (single-stream blocks): the fused QKV + MLP projection, and
     attention with the ``prefix_only`` mask spec over the contiguous joint stream."""
-
-    stand_in = True
-
-    def __init__(self, original, attend, runs_cp) -> None:
-        self.original, self.attend, self.runs_cp = original, attend, runs_cp
 
     def __call__(
         self,

@@ -48,13 +48,8 @@ def segments(mask: torch.Tensor) -> torch.Tensor:
     return ordinal.gather(1, first)
 
 
-class SegmentAttention:
+class SegmentAttention(routing.StandIn):
     """``Ideogram4AttnProcessor``'s stand-in: its projections, then one key-masked CP attention per segment."""
-
-    stand_in = True
-
-    def __init__(self, original, attend, runs_cp) -> None:
-        self.original, self.attend, self.runs_cp = original, attend, runs_cp
 
     def __call__(self, attn, hidden_states, attention_mask, image_rotary_emb):
         if not self.runs_cp():

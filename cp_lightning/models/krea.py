@@ -26,13 +26,8 @@ from cp_lightning.models import PlanEntry, TinyCase, register
 from cp_lightning.tiny import _factor
 
 
-class Krea2GroupedAttention:
+class Krea2GroupedAttention(routing.StandIn):
     """``Krea2AttnProcessor``'s stand-in: the same projections, norms, RoPE and gate, its K/V heads unrepeated."""
-
-    stand_in = True
-
-    def __init__(self, original, attend, runs_cp) -> None:
-        self.original, self.attend, self.runs_cp = original, attend, runs_cp
 
     def __call__(self, attn, hidden_states, attention_mask=None, image_rotary_emb=None):
         if not self.runs_cp():

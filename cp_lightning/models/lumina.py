@@ -24,13 +24,8 @@ from cp_lightning.models import PlanEntry, TinyCase, register
 from cp_lightning.tiny import _factor
 
 
-class Lumina2Attention:
+class Lumina2Attention(routing.StandIn):
     """``Lumina2AttnProcessor2_0``'s stand-in: the same projections, norms and RoPE, and its K/V heads unrepeated."""
-
-    stand_in = True
-
-    def __init__(self, original, attend, runs_cp) -> None:
-        self.original, self.attend, self.runs_cp = original, attend, runs_cp
 
     def __call__(
         self, attn, hidden_states, encoder_hidden_states, attention_mask=None, image_rotary_emb=None,

@@ -32,13 +32,8 @@ def _rotate(x, cos, sin):
     return torch.stack([even * cos - odd * sin, even * sin + odd * cos], dim=-1).flatten(-2).to(x.dtype)
 
 
-class MochiJointAttention:
+class MochiJointAttention(routing.StandIn):
     """``MochiAttnProcessor2_0``'s stand-in: the same projections, one key-masked attention over the CP group."""
-
-    stand_in = True
-
-    def __init__(self, original, attend, runs_cp) -> None:
-        self.original, self.attend, self.runs_cp = original, attend, runs_cp
 
     def __call__(self, attn, hidden_states, encoder_hidden_states, attention_mask, image_rotary_emb=None):
         if not self.runs_cp():

@@ -29,13 +29,8 @@ from cp_lightning.models.wan import _video
 from cp_lightning.plan import JointInput
 
 
-class MotifTextCrossAttention:
+class MotifTextCrossAttention(routing.StandIn):
     """``MotifVideoCrossAttnProcessor2_0``'s stand-in: video queries to the text keys of a split conditioning stream."""
-
-    stand_in = True
-
-    def __init__(self, original, attend, runs_cp) -> None:
-        self.original, self.attend, self.runs_cp = original, attend, runs_cp
 
     def __call__(
         self,

@@ -28,14 +28,9 @@ from cp_lightning.models.hunyuan import _text_mask
 from cp_lightning.plan import JointInput
 
 
-class NucleusGroupedAttention:
+class NucleusGroupedAttention(routing.StandIn):
     """``NucleusMoEAttnProcessor2_0``'s stand-in: image queries over [image, text] keys as the stock processor builds
     them (projections, norms, RoPE), its K/V heads unrepeated."""
-
-    stand_in = True
-
-    def __init__(self, original, attend, runs_cp) -> None:
-        self.original, self.attend, self.runs_cp = original, attend, runs_cp
 
     def __call__(
         self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, image_rotary_emb=None,

@@ -98,14 +98,9 @@ def batch_specs(segments, length: int, key_valid: torch.Tensor | None) -> list[t
     return specs
 
 
-class QwenImage21SegmentAttention:
+class QwenImage21SegmentAttention(routing.StandIn):
     """``QwenImage21AttnProcessor``'s stand-in: its projections, then one CP attention with the segments' mask spec
     (per distinct text padding of the batch)."""
-
-    stand_in = True
-
-    def __init__(self, original, attend, runs_cp) -> None:
-        self.original, self.attend, self.runs_cp = original, attend, runs_cp
 
     def __call__(
         self,

@@ -28,13 +28,8 @@ from cp_lightning.models import PlanEntry, TinyCase, register
 from cp_lightning.models.wan import _I2V, WAN_LIKE_PLAN, _wan_config
 
 
-class WanAnimateFaceAttention:
+class WanAnimateFaceAttention(routing.StandIn):
     """``WanAnimateFaceBlockAttnProcessor``'s stand-in: each local video token attends to its frame's motion tokens."""
-
-    stand_in = True
-
-    def __init__(self, original, attend, runs_cp) -> None:
-        self.original, self.runs_cp = original, runs_cp
 
     def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None):
         if not self.runs_cp():
