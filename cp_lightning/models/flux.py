@@ -62,6 +62,18 @@ def _flux2_inputs(model, g, batch, tokens, text_tokens, dtype):
     }
 
 
+# Bria's tiny config (Flux.1's layout without pooled text or guidance), shared with LongCat and Ovis (fluxlike.py)
+BRIA_TINY = dict(
+    patch_size=1,
+    in_channels=16,
+    num_layers=1,
+    num_single_layers=1,
+    attention_head_dim=16,
+    num_attention_heads=4,
+    joint_attention_dim=32,
+    axes_dims_rope=(4, 6, 6),
+)
+
 register(
     FLUX,
     BRIA,
@@ -100,16 +112,7 @@ register(
     TinyCase(
         "bria",
         "BriaTransformer2DModel",
-        dict(
-            patch_size=1,
-            in_channels=16,
-            num_layers=1,
-            num_single_layers=1,
-            attention_head_dim=16,
-            num_attention_heads=4,
-            joint_attention_dim=32,
-            axes_dims_rope=(4, 6, 6),
-        ),
+        BRIA_TINY,
         _bria_inputs,
     ),
 )

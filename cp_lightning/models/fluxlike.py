@@ -11,25 +11,16 @@ diffusers plan.
 from __future__ import annotations
 
 from cp_lightning.models import PlanEntry, TinyCase, register
-from cp_lightning.models.flux import BRIA, _bria_inputs
+from cp_lightning.models.flux import BRIA, BRIA_TINY, _bria_inputs
 
 LONGCAT = PlanEntry("LongCatImageTransformer2DModel", BRIA.plan)
 OVIS = PlanEntry("OvisImageTransformer2DModel", BRIA.plan)
 
-_CONFIG = dict(
-    patch_size=1,
-    in_channels=16,
-    num_layers=1,
-    num_single_layers=1,
-    attention_head_dim=16,
-    num_attention_heads=4,
-    joint_attention_dim=32,
-    axes_dims_rope=(4, 6, 6),
-)
-
 register(
     LONGCAT,
     OVIS,
-    TinyCase("longcat-image", "LongCatImageTransformer2DModel", dict(_CONFIG, pooled_projection_dim=32), _bria_inputs),
-    TinyCase("ovis-image", "OvisImageTransformer2DModel", dict(_CONFIG, out_channels=16), _bria_inputs),
+    TinyCase(
+        "longcat-image", "LongCatImageTransformer2DModel", dict(BRIA_TINY, pooled_projection_dim=32), _bria_inputs
+    ),
+    TinyCase("ovis-image", "OvisImageTransformer2DModel", dict(BRIA_TINY, out_channels=16), _bria_inputs),
 )

@@ -18,7 +18,7 @@ from diffusers.models._modeling_parallel import ContextParallelInput as In
 from diffusers.models._modeling_parallel import ContextParallelOutput as Out
 
 from cp_lightning.models import PlanEntry, TinyCase, register
-from cp_lightning.models.hunyuan import _text_mask
+from cp_lightning.models.hunyuan import HUNYUAN_TINY, _text_mask
 from cp_lightning.models.wan import _video
 from cp_lightning.plan import JointInput
 
@@ -86,16 +86,7 @@ register(
         "hunyuanvideo-framepack",
         "HunyuanVideoFramepackTransformer3DModel",
         dict(
-            in_channels=4,
-            out_channels=4,
-            num_attention_heads=4,
-            attention_head_dim=16,
-            num_layers=1,
-            num_single_layers=1,
-            num_refiner_layers=1,
-            text_embed_dim=16,
-            pooled_projection_dim=8,
-            rope_axes_dim=(4, 6, 6),
+            HUNYUAN_TINY,
             image_proj_dim=8,
             has_image_proj=True,
             has_clean_x_embedder=True,

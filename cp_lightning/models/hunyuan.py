@@ -90,24 +90,27 @@ def _hv15_inputs(model, g, batch, tokens, text_tokens, dtype):
     }
 
 
+# HunyuanVideo's tiny config, shared with HunyuanVideo-Framepack's (framepack.py)
+HUNYUAN_TINY = dict(
+    in_channels=4,
+    out_channels=4,
+    num_attention_heads=4,
+    attention_head_dim=16,
+    num_layers=1,
+    num_single_layers=1,
+    num_refiner_layers=1,
+    text_embed_dim=16,
+    pooled_projection_dim=8,
+    rope_axes_dim=(4, 6, 6),
+)
+
 register(
     HUNYUAN_VIDEO,
     HUNYUAN_VIDEO_15,
     TinyCase(
         "hunyuanvideo",
         "HunyuanVideoTransformer3DModel",
-        dict(
-            in_channels=4,
-            out_channels=4,
-            num_attention_heads=4,
-            attention_head_dim=16,
-            num_layers=1,
-            num_single_layers=1,
-            num_refiner_layers=1,
-            text_embed_dim=16,
-            pooled_projection_dim=8,
-            rope_axes_dim=(4, 6, 6),
-        ),
+        HUNYUAN_TINY,
         _hv_inputs,
         note="T2V, text padded differently per sample",
     ),

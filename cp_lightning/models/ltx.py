@@ -70,6 +70,22 @@ def _ltx2_inputs(model, g, batch, tokens, text_tokens, dtype):
     }
 
 
+# LTX-2's tiny config (video and audio streams), shared with Sana-WM's LTX-2 refiner (sana_wm.py)
+LTX2_TINY = dict(
+    in_channels=8,
+    out_channels=8,
+    num_attention_heads=4,
+    attention_head_dim=8,
+    cross_attention_dim=32,
+    audio_in_channels=8,
+    audio_out_channels=8,
+    audio_num_attention_heads=4,
+    audio_attention_head_dim=4,
+    audio_cross_attention_dim=16,
+    num_layers=1,
+    caption_channels=16,
+)
+
 register(
     LTX,
     LTX2,
@@ -92,20 +108,7 @@ register(
     TinyCase(
         "ltx2",
         "LTX2VideoTransformer3DModel",
-        dict(
-            in_channels=8,
-            out_channels=8,
-            num_attention_heads=4,
-            attention_head_dim=8,
-            cross_attention_dim=32,
-            audio_in_channels=8,
-            audio_out_channels=8,
-            audio_num_attention_heads=4,
-            audio_attention_head_dim=4,
-            audio_cross_attention_dim=16,
-            num_layers=1,
-            caption_channels=16,
-        ),
+        LTX2_TINY,
         _ltx2_inputs,
         note="audio + video outputs in the loss, per-token video timesteps",
     ),

@@ -22,6 +22,7 @@ from diffusers.models._modeling_parallel import ContextParallelInput as In
 from diffusers.models._modeling_parallel import ContextParallelOutput as Out
 
 from cp_lightning.models import PlanEntry, TinyCase, register
+from cp_lightning.models.ltx import LTX2_TINY
 from cp_lightning.models.wan import _video
 
 SANA_WM_REASON = (
@@ -75,20 +76,7 @@ register(
     TinyCase(
         "sana-wm-refiner",
         "SanaWMLTX2RefinerTransformer3DModel",
-        dict(
-            in_channels=8,
-            out_channels=8,
-            num_attention_heads=4,
-            attention_head_dim=8,
-            cross_attention_dim=32,
-            audio_in_channels=8,
-            audio_out_channels=8,
-            audio_num_attention_heads=4,
-            audio_attention_head_dim=4,
-            audio_cross_attention_dim=16,
-            num_layers=1,
-            caption_channels=16,
-        ),
+        LTX2_TINY,
         _inputs,
         unused=_AUDIO,
         note="per-token timesteps (first frame clean), text padded per sample",
